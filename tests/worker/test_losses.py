@@ -1,0 +1,363 @@
+"""Losses checked against independent references: plain Python loops for values,
+hand-derived per-token gradients, and float64 finite differences of the loop reference."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from server_mock.losses import (
+    LOSS_FUNCTIONS,
+    OPTIONAL_INPUTS,
+    REQUIRED_INPUTS,
+    LossConfigError,
+    compute_loss,
+    resolve_loss_config,
+)
+
+N = 23
+
+
+def make_datum(seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    targets = rng.integers(0, 1000, N)
+    targets[rng.random(N) < 0.3] = -100
+    targets[0] = -100  # at least one masked position
+    targets[1] = 7  # at least one live one
+    lp = -3.0 * rng.random(N)
+    q = lp + 0.6 * rng.standard_normal(N)  # ratios spread on both sides of the clip range
+    adv = rng.standard_normal(N)
+    adv[rng.random(N) < 0.2] = 0.0
+    w = rng.random(N)
+    w[rng.random(N) < 0.2] = 0.0
+    return {"target_tokens": targets, "lp": lp, "logprobs": q, "advantages": adv, "weights": w}
+
+
+def ref_token(loss_fn: str, lp: float, q: float, a: float, w: float, cfg: dict) -> float:
+    """Per-token loss, written straight from the formulas."""
+    r = math.exp(lp - q)
+    if loss_fn == "cross_entropy":
+        return -w * lp
+    if loss_fn == "importance_sampling":
+        return -r * a
+    if loss_fn == "ppo":
+        clipped = min(max(r, cfg["clip_low_threshold"]), cfg["clip_high_threshold"])
+        return -min(r * a, clipped * a)
+    if loss_fn == "cispo":
+        clipped = min(max(r, cfg["clip_low_threshold"]), cfg["clip_high_threshold"])
+        return -clipped * lp * a
+    if loss_fn == "dro":
+        return -(lp * a - 0.5 * cfg["beta"] * (lp - q) ** 2)
+    raise AssertionError(loss_fn)
+
+
+def ref_grad_token(loss_fn: str, lp: float, q: float, a: float, w: float, cfg: dict) -> float:
+    """d(per-token loss)/d lp, derived by hand (ratio is stop-gradient in cispo)."""
+    r = math.exp(lp - q)
+    lo, hi = cfg.get("clip_low_threshold"), cfg.get("clip_high_threshold")
+    if loss_fn == "cross_entropy":
+        return -w
+    if loss_fn == "importance_sampling":
+        return -r * a
+    if loss_fn == "ppo":
+        clipped = min(max(r, lo), hi)
+        if r * a <= clipped * a or lo < r < hi:  # unclipped branch active
+            return -r * a
+        return 0.0
+    if loss_fn == "cispo":
+        return -min(max(r, lo), hi) * a
+    if loss_fn == "dro":
+        return -(a - cfg["beta"] * (lp - q))
+    raise AssertionError(loss_fn)
+
+
+def ref_loss(loss_fn: str, d: dict, cfg: dict, lp: np.ndarray | None = None) -> float:
+    lp = d["lp"] if lp is None else lp
+    total = 0.0
+    for i in range(N):
+        if d["target_tokens"][i] == -100:
+            continue
+        total += ref_token(loss_fn, lp[i], d["logprobs"][i], d["advantages"][i], d["weights"][i], cfg)
+    return total
+
+
+def run(loss_fn: str, d: dict, cfg: dict, lp: np.ndarray | None = None, drop_weights: bool = False):
+    lp_t = torch.tensor(d["lp"] if lp is None else lp, dtype=torch.float32, requires_grad=True)
+    inputs = {"target_tokens": torch.tensor(d["target_tokens"], dtype=torch.int64)}
+    for key in REQUIRED_INPUTS[loss_fn] + OPTIONAL_INPUTS[loss_fn]:
+        if key != "target_tokens" and not (drop_weights and key == "weights"):
+            inputs[key] = torch.tensor(d[key], dtype=torch.float32)
+    res = compute_loss(loss_fn, lp_t, inputs, cfg)
+    res.loss.backward()
+    return res, lp_t.grad.numpy()
+
+
+CFGS = {
+    "cross_entropy": {},
+    "importance_sampling": {},
+    "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+    "cispo": {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
+    "dro": {"beta": 0.05},
+}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+@pytest.mark.parametrize("loss_fn", LOSS_FUNCTIONS)
+def test_value_and_grad_match_reference(loss_fn, seed):
+    d = make_datum(seed)
+    cfg = dict(CFGS[loss_fn])
+    if loss_fn == "cispo":
+        cfg["clip_high_threshold"] = 1.3  # make the upper clip actually bite on random data
+    res, grad = run(loss_fn, d, cfg)
+    assert res.loss.item() == pytest.approx(ref_loss(loss_fn, d, cfg), rel=1e-5, abs=1e-5)
+
+    mask = d["target_tokens"] != -100
+    expected_grad = np.zeros(N)
+    expected_elem = np.zeros(N)
+    for i in np.flatnonzero(mask):
+        args = (d["lp"][i], d["logprobs"][i], d["advantages"][i], d["weights"][i], cfg)
+        expected_grad[i] = ref_grad_token(loss_fn, *args)
+        expected_elem[i] = ref_token(loss_fn, *args)
+    np.testing.assert_allclose(grad, expected_grad, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(res.elementwise.numpy(), expected_elem, rtol=1e-5, atol=1e-5)
+    assert not res.elementwise.requires_grad
+
+    if loss_fn != "cispo":  # the stop-gradient makes cispo's gradient differ from d(value)/d lp
+        eps = 1e-6
+        fd = np.zeros(N)
+        for i in range(N):
+            up, down = d["lp"].copy(), d["lp"].copy()
+            up[i] += eps
+            down[i] -= eps
+            fd[i] = (ref_loss(loss_fn, d, cfg, up) - ref_loss(loss_fn, d, cfg, down)) / (2 * eps)
+        np.testing.assert_allclose(grad, fd, rtol=1e-4, atol=1e-4)
+
+
+def one_token(r: float, a: float, q: float = -1.0) -> dict:
+    return {
+        "target_tokens": np.array([5]),
+        "lp": np.array([q + math.log(r)]),
+        "logprobs": np.array([q]),
+        "advantages": np.array([a]),
+        "weights": np.array([1.0]),
+    }
+
+
+@pytest.mark.parametrize(
+    "r, a, loss, grad",
+    [
+        (1.5, 1.0, -1.2, 0.0),  # A>0, r>hi: clipped -> -hi*A, no gradient
+        (0.5, -1.0, 0.8, 0.0),  # A<0, r<lo: min(-0.5, -0.8) = -0.8 clipped, no gradient
+        (1.5, -1.0, 1.5, 1.5),  # A<0, r>hi: min(-1.5, -1.2) = -1.5 unclipped, grad -r*A
+        (0.5, 1.0, -0.5, -0.5),  # A>0, r<lo: min(0.5, 0.8) = 0.5 unclipped, grad -r*A
+        (1.1, 2.0, -2.2, -2.2),  # inside the clip range: plain -r*A
+    ],
+)
+def test_ppo_clip_both_signs(r, a, loss, grad):
+    res, g = run("ppo", one_token(r, a), resolve_loss_config("ppo", None))
+    assert res.loss.item() == pytest.approx(loss, abs=1e-6)
+    assert g[0] == pytest.approx(grad, abs=1e-6)
+
+
+def test_ppo_custom_thresholds_change_result():
+    d = one_token(1.5, 1.0)
+    wide = resolve_loss_config("ppo", {"clip_low_threshold": 0.4, "clip_high_threshold": 2.0})
+    res, g = run("ppo", d, wide)
+    assert res.loss.item() == pytest.approx(-1.5, abs=1e-6)  # no longer clipped
+    assert g[0] == pytest.approx(-1.5, abs=1e-6)
+    res, g = run("ppo", d, resolve_loss_config("ppo", {"clip_high_threshold": 1.4}))
+    assert res.loss.item() == pytest.approx(-1.4, abs=1e-6)
+    assert g[0] == 0.0
+
+
+def test_cispo_gradient_is_minus_clipped_ratio_times_advantage():
+    q = np.array([-1.0, -2.0, -0.5, -1.5])
+    r = np.array([5.0, 0.5, 1.0, 3.0])
+    a = np.array([1.5, -2.0, 0.7, -0.3])
+    d = {
+        "target_tokens": np.array([1, 2, 3, -100]),
+        "lp": q + np.log(r),
+        "logprobs": q,
+        "advantages": a,
+        "weights": np.ones(4),
+    }
+    res, g = run("cispo", d, resolve_loss_config("cispo", None))  # clip to [0, 4]
+    np.testing.assert_allclose(g, [-4.0 * 1.5, -0.5 * -2.0, -1.0 * 0.7, 0.0], rtol=1e-6)
+    lp = d["lp"]
+    expected = -(4.0 * lp[0] * 1.5 + 0.5 * lp[1] * -2.0 + 1.0 * lp[2] * 0.7)
+    assert res.loss.item() == pytest.approx(expected, rel=1e-6)
+    narrow = resolve_loss_config("cispo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.0})
+    res, g = run("cispo", d, narrow)
+    np.testing.assert_allclose(g, [-1.0 * 1.5, -0.9 * -2.0, -1.0 * 0.7, 0.0], rtol=1e-6)
+
+
+def test_dro_beta_term():
+    # A = 0 everywhere: only the penalty remains, loss = beta/2 * sum (lp - q)^2, grad = beta * (lp - q).
+    lp = np.array([-1.0, -2.0, -0.5, -3.0])
+    q = np.array([-1.5, -1.0, -0.5, 9.0])
+    d = {
+        "target_tokens": np.array([1, 2, 3, -100]),
+        "lp": lp,
+        "logprobs": q,
+        "advantages": np.zeros(4),
+        "weights": np.ones(4),
+    }
+    res, g = run("dro", d, resolve_loss_config("dro", {"beta": 0.2}))
+    assert res.loss.item() == pytest.approx(0.1 * (0.5**2 + 1.0**2 + 0.0), rel=1e-6)  # 0.125
+    np.testing.assert_allclose(g, [0.2 * 0.5, 0.2 * -1.0, 0.0, 0.0], atol=1e-7)
+    assert res.token_count == 3  # A = 0 positions still count for dro (the -100 one does not)
+    # beta = 0: plain -sum lp*A
+    d["advantages"] = np.array([1.0, -1.0, 3.0, 5.0])
+    res, g = run("dro", d, resolve_loss_config("dro", {"beta": 0}))
+    assert res.loss.item() == pytest.approx(0.5, rel=1e-6)  # -(-1*1 + -2*-1 + -0.5*3) = -(-1 + 2 - 1.5)
+    np.testing.assert_allclose(g, [-1.0, 1.0, -3.0, 0.0])
+
+
+def test_token_count_rules():
+    d = {
+        "target_tokens": np.array([-100, 4, 4, 4, 4, -100]),
+        "lp": np.full(6, -1.0),
+        "logprobs": np.full(6, -1.2),
+        "advantages": np.array([1.0, 0.0, 1.0, -1.0, 0.0, 2.0]),
+        "weights": np.array([1.0, 1.0, 0.0, 0.5, 1.0, 1.0]),
+    }
+    assert run("cross_entropy", d, {})[0].token_count == 3  # mask & w != 0: positions 1, 3, 4
+    assert run("cross_entropy", d, {}, drop_weights=True)[0].token_count == 4  # weights default to ones
+    for loss_fn in ("importance_sampling", "ppo", "cispo"):
+        assert run(loss_fn, d, CFGS[loss_fn])[0].token_count == 2  # mask & A != 0: positions 2, 3
+    assert run("dro", d, CFGS["dro"])[0].token_count == 4  # mask only
+
+
+def test_cross_entropy_default_weights():
+    d = make_datum(7)
+    res, g = run("cross_entropy", d, {}, drop_weights=True)
+    mask = d["target_tokens"] != -100
+    assert res.loss.item() == pytest.approx(-sum(d["lp"][mask]), rel=1e-5)
+    np.testing.assert_array_equal(g, np.where(mask, -1.0, 0.0))
+
+
+@pytest.mark.parametrize("loss_fn", LOSS_FUNCTIONS)
+def test_masked_garbage_does_not_leak(loss_fn):
+    d = make_datum(11)
+    masked = d["target_tokens"] == -100
+    lp = d["lp"].copy()
+    lp[masked] = np.nan
+    lp[np.flatnonzero(masked)[0]] = np.inf
+    d["logprobs"] = np.where(masked, -np.inf, d["logprobs"])
+    d["advantages"] = np.where(masked, np.nan, d["advantages"])
+    d["weights"] = np.where(masked, np.nan, d["weights"])
+    res, g = run(loss_fn, d, CFGS[loss_fn], lp=lp)
+    assert math.isfinite(res.loss.item())
+    assert np.all(np.isfinite(g)) and np.all(g[masked] == 0)
+    assert np.all(res.elementwise.numpy()[masked] == 0)
+    clean = make_datum(11)
+    assert res.loss.item() == pytest.approx(ref_loss(loss_fn, clean, CFGS[loss_fn]), rel=1e-5, abs=1e-5)
+
+
+def group_advantages(rewards: list[float]) -> list[float]:
+    mean = sum(rewards) / len(rewards)
+    return [r - mean for r in rewards]
+
+
+def test_group_advantage_importance_sampling_example():
+    rewards = [1, 0, 0, -0.1, 1, 0, 0, -0.1]
+    adv = group_advantages(rewards)  # mean = 1.8 / 8 = 0.225
+    assert adv == pytest.approx([0.775, -0.225, -0.225, -0.325, 0.775, -0.225, -0.225, -0.325])
+    completion_lens = [3, 1, 2, 2, 1, 4, 2, 1]
+    total, count = 0.0, 0
+    for a, n in zip(adv, completion_lens):
+        # 2 prompt tokens (A = 0), n completion tokens (A = a), lp == q so r = 1; first target is -100.
+        lp = np.linspace(-2.0, -0.1, 2 + n)
+        d = {
+            "target_tokens": np.array([-100] + [9] * (1 + n)),
+            "lp": lp,
+            "logprobs": lp.copy(),
+            "advantages": np.array([0.0, 0.0] + [a] * n),
+            "weights": np.ones(2 + n),
+        }
+        res, g = run("importance_sampling", d, {})
+        np.testing.assert_allclose(g, [0.0, 0.0] + [-a] * n, atol=1e-7)
+        total += res.loss.item()
+        count += res.token_count
+    # loss = -sum A over tokens
+    #      = -(0.775*3 - 0.225*1 - 0.225*2 - 0.325*2 + 0.775*1 - 0.225*4 - 0.225*2 - 0.325*1)
+    #      = -(3.1 - 3.0) = -0.1
+    assert total == pytest.approx(-0.1, abs=1e-6)
+    assert count == 16  # prompt tokens have A = 0 and do not count
+
+
+def test_missing_required_input():
+    lp = torch.zeros(3, requires_grad=True)
+    with pytest.raises(LossConfigError) as e:
+        inputs = {"target_tokens": torch.tensor([1, 2, 3]), "logprobs": torch.zeros(3)}
+        compute_loss("ppo", lp, inputs, resolve_loss_config("ppo", None))
+    assert e.value.field == "loss_fn_inputs.advantages"
+
+
+def test_resolve_defaults():
+    assert resolve_loss_config("cross_entropy", None) == {}
+    assert resolve_loss_config("importance_sampling", {}) == {}
+    assert resolve_loss_config("ppo", None) == {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+    assert resolve_loss_config("cispo", None) == {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}
+    assert resolve_loss_config("dro", None) == {"beta": 0.05}
+    out = resolve_loss_config("ppo", {"clip_high_threshold": 2})
+    assert out == {"clip_low_threshold": 0.8, "clip_high_threshold": 2.0}
+    assert isinstance(out["clip_high_threshold"], float)
+    equal = resolve_loss_config("cispo", {"clip_low_threshold": 1.0, "clip_high_threshold": 1.0})
+    assert equal == {"clip_low_threshold": 1.0, "clip_high_threshold": 1.0}  # lo == hi is fine for cispo
+
+
+def test_resolve_unknown_loss_name():
+    with pytest.raises(LossConfigError) as e:
+        resolve_loss_config("grpo", None)
+    assert e.value.field == "loss_fn"
+    assert isinstance(e.value, ValueError)
+    for name in LOSS_FUNCTIONS:
+        assert name in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "loss_fn, key, accepted",
+    [
+        ("ppo", "epsilon", "clip_high_threshold"),
+        ("dro", "clip_low_threshold", "beta"),
+        ("cross_entropy", "beta", "none"),
+    ],
+)
+def test_resolve_unknown_key(loss_fn, key, accepted):
+    with pytest.raises(LossConfigError) as e:
+        resolve_loss_config(loss_fn, {key: 1.0})
+    assert e.value.field == f"loss_fn_config.{key}"
+    assert accepted in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "loss_fn, config, field",
+    [
+        ("ppo", {"clip_low_threshold": "0.8"}, "clip_low_threshold"),
+        ("ppo", {"clip_high_threshold": float("nan")}, "clip_high_threshold"),
+        ("dro", {"beta": float("inf")}, "beta"),
+        ("dro", {"beta": True}, "beta"),
+        ("dro", {"beta": None}, "beta"),
+        ("dro", {"beta": -0.1}, "beta"),
+        ("ppo", {"clip_low_threshold": -0.1}, "clip_low_threshold"),
+        ("ppo", {"clip_low_threshold": 1.3}, "clip_high_threshold"),
+        ("ppo", {"clip_low_threshold": 1.2}, "clip_high_threshold"),  # lo == hi not allowed for ppo
+        ("cispo", {"clip_low_threshold": 5.0}, "clip_high_threshold"),
+        ("cispo", {"clip_low_threshold": -1.0}, "clip_low_threshold"),
+    ],
+)
+def test_resolve_bad_values(loss_fn, config, field):
+    with pytest.raises(LossConfigError) as e:
+        resolve_loss_config(loss_fn, config)
+    assert e.value.field == f"loss_fn_config.{field}"
+    assert field in str(e.value)
+
+
+def test_resolve_config_not_a_dict():
+    with pytest.raises(LossConfigError) as e:
+        resolve_loss_config("ppo", [0.8, 1.2])
+    assert e.value.field == "loss_fn_config"
