@@ -1,0 +1,74 @@
+"""RestClient: list and delete checkpoints, look up runs and samplers."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING
+
+from .errors import ValidationError
+from .types import APIFuture, Checkpoint, CheckpointsListResponse, Cursor, GetSamplerResponse
+from .wire import CheckpointList, SamplerInfo
+
+if TYPE_CHECKING:
+    from .service_client import ServiceClient
+
+
+class RestClient:
+    def __init__(self, service: "ServiceClient") -> None:
+        self._rt = service._runtime
+
+    async def _list_checkpoints(self, training_run_id: str | None) -> CheckpointsListResponse:
+        params = {"training_run_id": training_run_id} if training_run_id else {}
+        raw = await self._rt.request("GET", "/v1/checkpoints", params=params, operation="list_checkpoints")
+        entries = CheckpointList.model_validate(raw).checkpoints
+        checkpoints = [
+            Checkpoint(checkpoint_id=e.checkpoint_id, checkpoint_type="training" if e.kind == "state" else "sampler",
+                       time=datetime.fromtimestamp(e.created_at, tz=timezone.utc), path=e.path,
+                       size_bytes=e.size_bytes)
+            for e in entries
+        ]
+        return CheckpointsListResponse(checkpoints=checkpoints,
+                                       cursor=Cursor(offset=0, limit=len(checkpoints), total_count=len(checkpoints)))
+
+    def list_checkpoints(self, training_run_id: str) -> concurrent.futures.Future:
+        _require(training_run_id, "training_run_id")
+        return self._rt.submit(self._list_checkpoints(training_run_id))
+
+    async def list_checkpoints_async(self, training_run_id: str) -> CheckpointsListResponse:
+        _require(training_run_id, "training_run_id")
+        return await self._rt.run_async(self._list_checkpoints(training_run_id))
+
+    def list_user_checkpoints(self, limit: int = 100, offset: int = 0) -> concurrent.futures.Future:
+        return self._rt.submit(self._list_checkpoints(None))
+
+    async def _delete(self, path: str) -> None:
+        await self._rt.request("DELETE", "/v1/checkpoints", params={"path": path}, operation="delete_checkpoint")
+
+    def delete_checkpoint(self, training_run_id: str, checkpoint_id: str) -> concurrent.futures.Future:
+        """``checkpoint_id`` may be the id from list_checkpoints or the checkpoint's trio:// path."""
+        _require(training_run_id, "training_run_id")
+        _require(checkpoint_id, "checkpoint_id")
+        return self._rt.submit(self._delete(checkpoint_id))
+
+    async def delete_checkpoint_async(self, training_run_id: str, checkpoint_id: str) -> None:
+        _require(checkpoint_id, "checkpoint_id")
+        await self._rt.run_async(self._delete(checkpoint_id))
+
+    async def _get_sampler(self, sampler_id: str) -> GetSamplerResponse:
+        raw = await self._rt.request("GET", f"/v1/samplers/{sampler_id}", operation="get_sampler")
+        info = SamplerInfo.model_validate(raw)
+        return GetSamplerResponse(sampler_id=info.sampler_id, base_model=info.base_model, model_path=info.model_path)
+
+    def get_sampler(self, sampler_id: str) -> APIFuture[GetSamplerResponse]:
+        _require(sampler_id, "sampler_id")
+        return APIFuture(self._rt.submit(self._get_sampler(sampler_id)))
+
+    async def get_sampler_async(self, sampler_id: str) -> GetSamplerResponse:
+        _require(sampler_id, "sampler_id")
+        return await self._rt.run_async(self._get_sampler(sampler_id))
+
+
+def _require(value: str, name: str) -> None:
+    if not value:
+        raise ValidationError(f"{name} cannot be empty", code="validation.empty_rest_argument")

@@ -1,0 +1,196 @@
+"""The HTTP protocol between the SDK and the worker: request and response bodies, defined once.
+
+The worker imports these models too, so the two sides cannot drift apart. Tensors travel as
+``WireTensor`` (base64 of little-endian bytes); everything else is plain JSON.
+
+Endpoints (all under ``/v1``):
+  GET  /health                                   liveness
+  GET  /capabilities                             GetServerCapabilitiesResponse
+  GET  /tokenizer?model=NAME                     TokenizerFiles
+  POST /training_runs                            CreateTrainingRun -> TrainingRunInfo
+  GET  /training_runs/{id}                       TrainingRunInfo
+  POST /training_runs/{id}/ops                   TrainingOp -> Accepted   (ordered by seq_id)
+  GET  /checkpoint_config?path=trio://...        CheckpointConfig
+  GET  /checkpoints?training_run_id=ID           CheckpointList
+  DELETE /checkpoints?path=trio://...            deletes one checkpoint
+  POST /samplers                                 CreateSampler -> SamplerInfo
+  POST /samplers/{id}/sample                     SampleRequest -> Accepted
+  GET  /requests/{request_id}?wait=SECONDS       RequestStatus (long poll)
+Errors: status 4xx/5xx with ErrorResponse.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .types.params import AdamParams
+from .types.responses import ModelOperationCapabilities
+from .types.tensor import WireTensor
+
+PROTOCOL_VERSION = 1
+
+
+class WireModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ErrorBody(WireModel):
+    code: str
+    message: str
+    field: str | None = None
+    details: dict[str, Any] = {}
+
+
+class ErrorResponse(WireModel):
+    error: ErrorBody
+
+
+class Accepted(WireModel):
+    request_id: str
+    duplicate: bool = False
+
+
+class RequestStatus(WireModel):
+    request_id: str
+    status: Literal["queued", "running", "succeeded", "failed"]
+    result: dict[str, Any] | None = None
+    error: ErrorBody | None = None
+    queue_position: int | None = None
+
+
+# --- training ---------------------------------------------------------------------------------------
+
+
+class LoraSpec(WireModel):
+    rank: int = 32
+    seed: int | None = None
+    train_mlp: bool = True
+    train_attn: bool = True
+    train_unembed: bool = True
+
+
+class CreateTrainingRun(WireModel):
+    base_model: str | None = None
+    lora: LoraSpec = LoraSpec()
+    from_checkpoint: str | None = None
+    load_optimizer: bool = False
+
+
+class TrainingRunInfo(WireModel):
+    training_run_id: str
+    base_model: str
+    lora: LoraSpec
+    vocab_size: int
+    limits: ModelOperationCapabilities
+    last_seq_id: int = 0
+
+
+class WireDatum(WireModel):
+    tokens: WireTensor
+    loss_fn_inputs: dict[str, WireTensor]
+
+
+class ForwardOp(WireModel):
+    op: Literal["forward", "forward_backward"]
+    loss_fn: str = "cross_entropy"
+    loss_fn_config: dict[str, Any] = {}
+    data: list[WireDatum]
+
+
+class OptimStepOp(WireModel):
+    op: Literal["optim_step"] = "optim_step"
+    adam_params: AdamParams
+
+
+class SaveOp(WireModel):
+    op: Literal["save_state", "save_weights_for_sampler"]
+    name: str
+    ttl_seconds: int | None = None
+    overwrite: bool = False
+    # A sampler snapshot kept only in memory (no file) for save_weights_and_get_sampling_client.
+    ephemeral: bool = False
+
+
+class LoadOp(WireModel):
+    op: Literal["load_state"] = "load_state"
+    path: str
+    load_optimizer: bool = False
+
+
+Op = Annotated[Union[ForwardOp, OptimStepOp, SaveOp, LoadOp], Field(discriminator="op")]
+
+
+class TrainingOp(WireModel):
+    seq_id: int = Field(ge=1)
+    payload: Op
+
+
+class ForwardResult(WireModel):
+    loss_fn_outputs: list[dict[str, WireTensor]]
+    metrics: dict[str, float]
+
+
+class SaveResult(WireModel):
+    path: str
+    size: int
+    model: str
+
+
+class CheckpointConfig(WireModel):
+    path: str
+    kind: Literal["state", "sampler"]
+    base_model: str
+    lora: LoraSpec
+    has_optimizer: bool
+
+
+class CheckpointEntry(WireModel):
+    checkpoint_id: str
+    kind: Literal["state", "sampler"]
+    path: str
+    created_at: float
+    size_bytes: int
+
+
+class CheckpointList(WireModel):
+    checkpoints: list[CheckpointEntry]
+
+
+# --- sampling ---------------------------------------------------------------------------------------
+
+
+class CreateSampler(WireModel):
+    base_model: str | None = None
+    model_path: str | None = None
+
+
+class SamplerInfo(WireModel):
+    sampler_id: str
+    base_model: str
+    model_path: str | None = None
+
+
+class WireSamplingParams(WireModel):
+    max_tokens: int
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+
+
+class SampleRequest(WireModel):
+    prompt_tokens: list[int]
+    num_samples: int = 1
+    sampling_params: WireSamplingParams
+    include_prompt_logprobs: bool = False
+    topk_prompt_logprobs: int = 0
+    return_text: bool = True
+
+
+class TokenizerFiles(WireModel):
+    model: str
+    files: dict[str, str]  # file name -> base64 content

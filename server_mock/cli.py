@@ -1,0 +1,124 @@
+"""``pytrio-worker`` (or ``python -m server_mock``): serve models, or write a tiny model for smoke tests."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+import socket
+import sys
+import warnings
+from pathlib import Path
+
+
+def _parse_model(value: str) -> tuple[str, str]:
+    name, sep, source = value.partition("=")
+    if not sep:
+        return value, value  # a hub id or path that is its own name
+    if not name or not source:
+        raise argparse.ArgumentTypeError(f"--model expects NAME=PATH_OR_HF_ID, got {value!r}")
+    return name, source
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pytrio-worker", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the HTTP worker")
+    serve.add_argument("--model", action="append", type=_parse_model, default=[], metavar="NAME=PATH_OR_HF_ID",
+                       help="a base model to serve (repeatable)")
+    serve.add_argument("--lazy-models", action="store_true",
+                       help="also load any model a client names, on first use (used by the embedded worker)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    serve.add_argument("--port-file", help="write the bound port here once listening")
+    serve.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                       help="accepted API key (repeatable; each key is its own tenant). Also PYTRIO_WORKER_API_KEYS")
+    serve.add_argument("--insecure", action="store_true", help="allow a non-loopback bind without an API key")
+    serve.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    serve.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    serve.add_argument("--storage", default="./storage", help="checkpoint folder")
+    serve.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+    serve.add_argument("--result-ttl", type=float, default=3600.0,
+                       help="seconds a finished request's result is kept for polling")
+    serve.add_argument("--max-body-bytes", type=int, default=64 * 1024 * 1024)
+    serve.add_argument("--max-seq-len", type=int, default=8192)
+    serve.add_argument("--max-tokens-per-request", type=int, default=262_144)
+    serve.add_argument("--max-sample-tokens", type=int, default=8192)
+    serve.add_argument("--max-num-samples", type=int, default=256)
+    serve.add_argument("--max-training-runs", type=int, default=64)
+    serve.add_argument("--max-snapshots", type=int, default=16,
+                       help="in-memory sampler snapshots kept (save_weights_and_get_sampling_client)")
+    serve.add_argument("--log-level", default="INFO")
+    tiny = sub.add_parser("make-tiny-model", help="write a random tiny causal LM + tokenizer for smoke tests")
+    tiny.add_argument("directory")
+    tiny.add_argument("--arch", default="qwen2", choices=["qwen2", "llama"])
+    tiny.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def serve(args: argparse.Namespace) -> None:
+    import torch
+    import uvicorn
+
+    from .app import create_app
+    from .model_loading import resolve_device, resolve_dtype
+    from .service import Limits, WorkerService
+
+    # Known, harmless library notices that would otherwise repeat on every adapter
+    warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    keys = list(args.api_key) + [k for k in os.environ.get("PYTRIO_WORKER_API_KEYS", "").split(",") if k]
+    if not _is_loopback(args.host) and not keys and not args.insecure:
+        sys.exit(f"refusing to listen on {args.host} without --api-key: anyone on the network could train and read "
+                 "your adapters. Pass --api-key KEY, or --insecure if you really mean it.")
+    if not args.model and not args.lazy_models:
+        sys.exit("nothing to serve: pass --model NAME=PATH_OR_HF_ID (or make one with `pytrio-worker make-tiny-model`)")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = resolve_device(args.device)
+    limits = Limits(max_body_bytes=args.max_body_bytes, max_seq_len=args.max_seq_len,
+                    max_tokens_per_request=args.max_tokens_per_request, max_sample_tokens=args.max_sample_tokens,
+                    max_num_samples=args.max_num_samples, max_training_runs=args.max_training_runs,
+                    max_snapshots=args.max_snapshots)
+    service = WorkerService(dict(args.model), args.storage, device, resolve_dtype(args.dtype, device),
+                            lazy_models=args.lazy_models, limits=limits, result_ttl=args.result_ttl)
+    app = create_app(service, keys)
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((args.host, args.port))
+    sock.listen(2048)
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(app, log_level="warning", timeout_keep_alive=30)
+    server = uvicorn.Server(config)
+    if args.port_file:
+        Path(args.port_file).write_text(str(port))
+    logging.getLogger("server_mock").info("serving %s on http://%s:%d (storage %s, device %s)",
+                                          ", ".join(n for n, _ in args.model) or "models on demand", args.host, port,
+                                          args.storage, device)
+    server.run(sockets=[sock])
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        serve(args)
+    else:
+        from .tiny_model import make_tiny_model
+
+        path = make_tiny_model(args.directory, arch=args.arch, seed=args.seed)
+        print(f"wrote a tiny random model and tokenizer to {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,341 @@
+"""LoRA adapters on one shared base model: forward/backward with the named losses, AdamW, snapshots.
+
+One ``ModelHost`` per base model. Every method here runs on that model's single worker thread (see
+engine.py), so switching the active PEFT adapter between requests is safe without locks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import secrets
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from pytrio_compat.types import AdamParams
+from pytrio_compat.wire import LoraSpec
+
+from . import losses
+from .errors import WorkerError, bad_request
+from .model_loading import load_model_and_tokenizer
+
+LORA_ALPHA = 32  # fixed alpha: the effective scale is alpha / rank, as in most LoRA RL setups
+MICRO_BATCH_TOKENS = 4096  # padded tokens per forward pass; bounds the (B, T, V) logits in memory
+
+
+@dataclass
+class Adapter:
+    adapter_id: str
+    spec: LoraSpec
+    seed: int
+    params: dict[str, nn.Parameter] = field(default_factory=dict)
+    exp_avg: dict[str, torch.Tensor] = field(default_factory=dict)
+    exp_avg_sq: dict[str, torch.Tensor] = field(default_factory=dict)
+    optim_steps: int = 0
+    version: int = 0  # bumped whenever the weights change
+
+
+@dataclass
+class Snapshot:
+    """Adapter weights frozen at one moment, in PEFT's state-dict layout (adapter name removed)."""
+
+    snapshot_id: str
+    spec: LoraSpec
+    target_modules: tuple[str, ...]
+    tensors: dict[str, torch.Tensor]
+
+
+def linear_groups(model: nn.Module) -> dict[str, str]:
+    """Which LoRA switch covers each Linear layer: train_attn, train_mlp or train_unembed."""
+    groups = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        if name.split(".")[-1] == "lm_head":
+            groups[name] = "train_unembed"
+        elif ".mlp." in name or "feed_forward" in name:
+            groups[name] = "train_mlp"
+        elif "attn" in name or "attention" in name:
+            groups[name] = "train_attn"
+    return groups
+
+
+class ModelHost:
+    def __init__(self, name: str, source: str, device: str, dtype: torch.dtype, max_seq_len: int | None = None):
+        self.name = name
+        self.device = device
+        self.dtype = dtype
+        self.model, self.tokenizer, self.source_dir = load_model_and_tokenizer(source, device, dtype)
+        self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
+        self._linear_groups = linear_groups(self.model)  # read before PEFT wraps the layers
+        ctx = getattr(self.model.config, "max_position_embeddings", None)
+        self.max_seq_len = max_seq_len or ctx
+        self.peft = None
+        self.adapters: dict[str, Adapter] = {}
+        self._slots: dict[str, str] = {}  # sampler slot adapter name -> snapshot id loaded in it
+
+    # --- adapters ---------------------------------------------------------------------------------
+
+    def _lora_config(self, spec: LoraSpec):
+        from peft import LoraConfig
+
+        targets = [name for name, group in self._linear_groups.items() if getattr(spec, group)]
+        if not targets:
+            raise bad_request("lora", "no Linear layers match train_mlp/train_attn/train_unembed for this model")
+        return LoraConfig(r=spec.rank, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=targets,
+                          bias="none"), tuple(targets)
+
+    def _add_peft_adapter(self, name: str, spec: LoraSpec, seed: int) -> None:
+        from peft import get_peft_model
+
+        config, _ = self._lora_config(spec)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            if self.peft is None:
+                self.peft = get_peft_model(self.model, config, adapter_name=name)
+            else:
+                self.peft.add_adapter(name, config)
+        self.peft.eval()
+
+    def create_adapter(self, adapter_id: str, spec: LoraSpec) -> Adapter:
+        seed = spec.seed if spec.seed is not None else secrets.randbits(31)
+        self._add_peft_adapter(adapter_id, spec, seed)
+        adapter = Adapter(adapter_id, spec, seed)
+        marker = f".{adapter_id}."
+        for pname, param in self.peft.named_parameters():
+            if marker in pname:
+                adapter.params[pname] = param
+        adapter.params = dict(sorted(adapter.params.items()))
+        for pname, param in adapter.params.items():
+            param.data = param.data.float()  # master weights and Adam state in float32
+            adapter.exp_avg[pname] = torch.zeros_like(param, dtype=torch.float32)
+            adapter.exp_avg_sq[pname] = torch.zeros_like(param, dtype=torch.float32)
+        self.adapters[adapter_id] = adapter
+        return adapter
+
+    def delete_adapter(self, adapter_id: str) -> None:
+        self.adapters.pop(adapter_id, None)
+        if self.peft is not None and adapter_id in self.peft.peft_config:
+            self.peft.delete_adapter(adapter_id)
+
+    def _activate(self, adapter: Adapter) -> None:
+        self.peft.set_adapter(adapter.adapter_id)
+        for param in adapter.params.values():
+            param.requires_grad_(True)
+
+    # --- forward / backward ---------------------------------------------------------------------------
+
+    def forward_backward(self, adapter: Adapter, data: list[dict[str, np.ndarray]], loss_fn: str,
+                         config: dict[str, float], backward: bool) -> dict:
+        """Per-datum logprobs and losses; with ``backward`` the summed loss's gradient accumulates.
+
+        If anything fails midway, the gradients accumulated before this call are restored, so a failed
+        request leaves the adapter exactly as it was.
+        """
+        self._activate(adapter)
+        saved = {n: (p.grad.clone() if p.grad is not None else None) for n, p in adapter.params.items()}
+        try:
+            return self._forward_backward(adapter, data, loss_fn, config, backward)
+        except BaseException:
+            for name, param in adapter.params.items():
+                param.grad = saved[name]
+            raise
+
+    def _forward_backward(self, adapter: Adapter, data: list[dict[str, np.ndarray]], loss_fn: str,
+                          config: dict[str, float], backward: bool) -> dict:
+        outputs: list[dict[str, np.ndarray] | None] = [None] * len(data)
+        loss_sum = 0.0
+        token_count = 0
+        for batch in _micro_batches([len(d["tokens"]) for d in data], MICRO_BATCH_TOKENS):
+            with torch.set_grad_enabled(backward):
+                logprobs = self._target_logprobs([data[i] for i in batch])
+                total = None
+                for row, index in enumerate(batch):
+                    datum = data[index]
+                    n = len(datum["tokens"])
+                    inputs = {k: torch.from_numpy(v).to(self.device) for k, v in datum.items() if k != "tokens"}
+                    result = losses.compute_loss(loss_fn, logprobs[row, :n], inputs, config)
+                    if not torch.isfinite(result.loss):
+                        raise WorkerError(422, "non_finite_loss",
+                                          f"data[{index}]: the loss is not finite; check logprobs/advantages", "data")
+                    total = result.loss if total is None else total + result.loss
+                    loss_sum += float(result.loss.detach())
+                    token_count += result.token_count
+                    mask = inputs["target_tokens"] != losses.IGNORE_INDEX
+                    lp = torch.where(mask, logprobs[row, :n].detach(), torch.zeros_like(logprobs[row, :n]))
+                    outputs[index] = {"logprobs": lp.float().cpu().numpy(),
+                                      "elementwise_loss": result.elementwise.float().cpu().numpy()}
+                if backward and total is not None and total.requires_grad:
+                    total.backward()
+        metrics = {
+            "loss_sum": loss_sum,
+            "loss_mean": loss_sum / token_count if token_count else 0.0,
+            "token_count": float(token_count),
+            "loss:sum": loss_sum,
+        }
+        return {"outputs": outputs, "metrics": metrics}
+
+    def _target_logprobs(self, rows: list[dict[str, np.ndarray]]) -> torch.Tensor:
+        """float32 logprob of each target token, [B, T] (0 where the target is ignored or padding)."""
+        longest = max(len(r["tokens"]) for r in rows)
+        ids = torch.zeros((len(rows), longest), dtype=torch.long)
+        targets = torch.zeros((len(rows), longest), dtype=torch.long)
+        attention = torch.zeros((len(rows), longest), dtype=torch.long)
+        for i, r in enumerate(rows):
+            n = len(r["tokens"])
+            ids[i, :n] = torch.from_numpy(r["tokens"])
+            t = torch.from_numpy(r["target_tokens"])
+            targets[i, :n] = torch.where(t == losses.IGNORE_INDEX, torch.zeros_like(t), t)
+            attention[i, :n] = 1
+        ids, targets, attention = ids.to(self.device), targets.to(self.device), attention.to(self.device)
+        logits = self.peft(input_ids=ids, attention_mask=attention, use_cache=False).logits
+        # cross_entropy on float32 logits = -log_softmax at the target, without a second (B, T, V) tensor
+        flat = logits.float().reshape(-1, logits.shape[-1])
+        return -nn.functional.cross_entropy(flat, targets.reshape(-1), reduction="none").reshape(targets.shape)
+
+    # --- optimizer --------------------------------------------------------------------------------------
+
+    def optim_step(self, adapter: Adapter, adam: AdamParams) -> dict[str, float]:
+        """AdamW, the same update as ``torch.optim.AdamW`` (decoupled decay), then gradients reset."""
+        grads = {n: p.grad for n, p in adapter.params.items() if p.grad is not None}
+        if grads:
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads.values()]))
+            grad_norm = float(norm)
+        else:
+            grad_norm = 0.0
+        if not math.isfinite(grad_norm):
+            raise WorkerError(422, "non_finite_gradient", "the accumulated gradient is not finite; nothing applied")
+        scale = 1.0
+        if adam.grad_clip_norm > 0 and grad_norm > adam.grad_clip_norm:
+            scale = adam.grad_clip_norm / (grad_norm + 1e-6)
+        adapter.optim_steps += 1
+        step = adapter.optim_steps
+        lr, b1, b2, eps, wd = adam.learning_rate, adam.beta1, adam.beta2, adam.eps, adam.weight_decay
+        bias1 = 1 - b1**step
+        bias2_sqrt = math.sqrt(1 - b2**step)
+        with torch.no_grad():
+            for name, param in adapter.params.items():
+                grad = grads.get(name)
+                if grad is None:
+                    grad = torch.zeros_like(param)
+                elif scale != 1.0:
+                    grad = grad * scale
+                m, v = adapter.exp_avg[name], adapter.exp_avg_sq[name]
+                if wd:
+                    param.mul_(1 - lr * wd)
+                m.lerp_(grad, 1 - b1)
+                v.mul_(b2).addcmul_(grad, grad, value=1 - b2)
+                denom = (v.sqrt() / bias2_sqrt).add_(eps)
+                param.addcdiv_(m, denom, value=-lr / bias1)
+                param.grad = None
+        adapter.version += 1
+        return {"grad_norm": grad_norm, "learning_rate": lr, "step": float(step)}
+
+    # --- state ------------------------------------------------------------------------------------------
+
+    def adapter_weights(self, adapter: Adapter) -> dict[str, torch.Tensor]:
+        from peft import get_peft_model_state_dict
+
+        return {k: v.detach().clone() for k, v in
+                get_peft_model_state_dict(self.peft, adapter_name=adapter.adapter_id,
+                                          save_embedding_layers=False).items()}
+
+    def load_adapter_weights(self, adapter: Adapter, tensors: dict[str, torch.Tensor]) -> None:
+        expected = set(self.adapter_weights(adapter))
+        if set(tensors) != expected:
+            raise bad_request("path", "checkpoint tensors do not match this adapter's layout "
+                                      f"({len(tensors)} vs {len(expected)} tensors)", code="checkpoint_mismatch")
+        self._set_peft_weights(adapter.adapter_id, tensors)
+        for param in adapter.params.values():
+            param.grad = None
+        adapter.version += 1
+
+    def _set_peft_weights(self, adapter_name: str, tensors: dict[str, torch.Tensor]) -> None:
+        from peft import set_peft_model_state_dict
+
+        set_peft_model_state_dict(self.peft, {k: v.to(self.device) for k, v in tensors.items()},
+                                  adapter_name=adapter_name)
+
+    def optimizer_state(self, adapter: Adapter) -> dict[str, torch.Tensor]:
+        state = {f"exp_avg::{n}": t for n, t in adapter.exp_avg.items()}
+        state.update({f"exp_avg_sq::{n}": t for n, t in adapter.exp_avg_sq.items()})
+        state["optim_steps"] = torch.tensor([adapter.optim_steps], dtype=torch.int64)
+        return state
+
+    def load_optimizer_state(self, adapter: Adapter, state: dict[str, torch.Tensor] | None) -> None:
+        """Restore Adam moments and the step count; ``None`` resets them (a fresh optimizer)."""
+        for name, param in adapter.params.items():
+            if state is None:
+                adapter.exp_avg[name] = torch.zeros_like(param, dtype=torch.float32)
+                adapter.exp_avg_sq[name] = torch.zeros_like(param, dtype=torch.float32)
+            else:
+                try:
+                    adapter.exp_avg[name] = state[f"exp_avg::{name}"].to(self.device).clone()
+                    adapter.exp_avg_sq[name] = state[f"exp_avg_sq::{name}"].to(self.device).clone()
+                except KeyError as exc:
+                    raise bad_request("path", f"optimizer state lacks {exc}", code="checkpoint_mismatch") from None
+        adapter.optim_steps = int(state["optim_steps"][0]) if state is not None else 0
+
+    def snapshot(self, adapter: Adapter) -> Snapshot:
+        _, targets = self._lora_config(adapter.spec)
+        tensors = self.adapter_weights(adapter)
+        digest = hashlib.sha256(f"{adapter.adapter_id}:{adapter.version}:{secrets.token_hex(4)}".encode()).hexdigest()
+        return Snapshot(digest[:16], adapter.spec, targets, tensors)
+
+    def peft_adapter_config(self, spec: LoraSpec) -> str:
+        config, _ = self._lora_config(spec)
+        data = config.to_dict()
+        data["base_model_name_or_path"] = self.name
+        return json.dumps(data, indent=1, default=lambda o: sorted(o) if isinstance(o, set) else str(o))
+
+    # --- sampling ---------------------------------------------------------------------------------------
+
+    def sampling_model(self, snapshot: Snapshot | None) -> nn.Module:
+        """The model to generate with: the base model, or a sampler slot holding the snapshot's weights.
+
+        Slots are PEFT adapters reserved for sampling, one per LoRA layout; a slot is reloaded only when
+        a different snapshot asks for it, so a GRPO step's many sample calls copy the weights once.
+        """
+        if snapshot is None:
+            return _BaseOnly(self.peft) if self.peft is not None else self.model
+        layout = hashlib.sha256(repr((snapshot.spec.rank, snapshot.target_modules)).encode()).hexdigest()[:12]
+        slot = f"sampler-slot-{layout}"
+        if self.peft is None or slot not in self.peft.peft_config:
+            self._add_peft_adapter(slot, snapshot.spec, 0)
+        if self._slots.get(slot) != snapshot.snapshot_id:
+            self._set_peft_weights(slot, snapshot.tensors)
+            self._slots[slot] = snapshot.snapshot_id
+        self.peft.set_adapter(slot)
+        return self.peft
+
+
+class _BaseOnly(nn.Module):
+    """Calls a PeftModel with every adapter disabled (the plain base model)."""
+
+    def __init__(self, peft_model: nn.Module) -> None:
+        super().__init__()
+        self.inner = peft_model
+
+    def forward(self, *args, **kwargs):
+        with self.inner.disable_adapter():
+            return self.inner(*args, **kwargs)
+
+
+def _micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
+    """Group datums of similar length so that (rows x longest) stays within the token budget."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for index in order:
+        longest = max([lengths[i] for i in current] + [lengths[index]])
+        if current and longest * (len(current) + 1) > budget:
+            batches.append(current)
+            current = []
+        current.append(index)
+    if current:
+        batches.append(current)
+    return batches
