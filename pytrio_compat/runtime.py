@@ -40,7 +40,9 @@ _RETRYABLE_EXCEPTIONS = (
 
 
 class Runtime:
-    def __init__(self, base_url: str, api_key: str, config: Configuration) -> None:
+    def __init__(self, base_url: str, api_key: str, config: Configuration,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self._transport = transport  # tests inject faults here
         self.base_url = base_url.rstrip("/")
         self.api_key = api_key
         self.config = config
@@ -56,7 +58,8 @@ class Runtime:
             headers["Authorization"] = f"Bearer {self.api_key}"
             headers["X-API-Key"] = self.api_key
         limits = httpx.Limits(max_connections=100, max_keepalive_connections=20)
-        return httpx.AsyncClient(base_url=self.base_url, headers=headers, limits=limits, timeout=None)
+        return httpx.AsyncClient(base_url=self.base_url, headers=headers, limits=limits, timeout=None,
+                                 transport=self._transport)
 
     # --- bridging sync and async ---------------------------------------------------------------------
 

@@ -51,7 +51,8 @@ class ServiceClient:
     else a worker started for this process on a free loopback port (stopped by ``close()`` or at exit).
     """
 
-    def __init__(self, api_key: str | None = None, base_url: str | None = None, **_ignored: Any) -> None:
+    def __init__(self, api_key: str | None = None, base_url: str | None = None, *,
+                 _transport: Any = None, **_ignored: Any) -> None:
         _install_log_handler()
         self._config = snapshot()
         self._embedded: EmbeddedWorker | None = None
@@ -61,7 +62,7 @@ class ServiceClient:
             self._embedded = EmbeddedWorker(tuple(self._config.embedded_worker_args))
             base, key = self._embedded.base_url, self._embedded.api_key
         self.base_url = base
-        self._runtime = Runtime(base, key or "", self._config)
+        self._runtime = Runtime(base, key or "", self._config, transport=_transport)
         self._tokenizers: dict[str, Any] = {}
         self._tokenizer_lock = threading.Lock()
         try:

@@ -1,0 +1,38 @@
+"""Shared fixtures: one tiny random model on disk and one real worker serving it over HTTP."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    from server_mock.tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="session")
+def worker(tiny_model_dir, tmp_path_factory):
+    from support import WorkerProcess
+
+    root = tmp_path_factory.mktemp("worker")
+    proc = WorkerProcess(tiny_model_dir, root / "storage").start()
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture()
+def service(worker, tmp_path, monkeypatch):
+    import pytrio_compat as trio
+
+    monkeypatch.setenv("PYTRIO_COMPAT_CACHE", str(tmp_path / "cache"))
+    client = trio.ServiceClient(base_url=worker.base_url)
+    yield client
+    client.close()
