@@ -261,23 +261,31 @@ class ModelHost:
                                   adapter_name=adapter_name)
 
     def optimizer_state(self, adapter: Adapter) -> dict[str, torch.Tensor]:
-        state = {f"exp_avg::{n}": t for n, t in adapter.exp_avg.items()}
-        state.update({f"exp_avg_sq::{n}": t for n, t in adapter.exp_avg_sq.items()})
+        """Adam moments keyed by adapter-independent names, so a checkpoint resumes into any new run."""
+        state = {}
+        for name in adapter.params:
+            key = _portable(name, adapter.adapter_id)
+            state[f"exp_avg::{key}"] = adapter.exp_avg[name]
+            state[f"exp_avg_sq::{key}"] = adapter.exp_avg_sq[name]
         state["optim_steps"] = torch.tensor([adapter.optim_steps], dtype=torch.int64)
         return state
 
     def load_optimizer_state(self, adapter: Adapter, state: dict[str, torch.Tensor] | None) -> None:
         """Restore Adam moments and the step count; ``None`` resets them (a fresh optimizer)."""
+        if state is not None:
+            wanted = {f"{kind}::{_portable(n, adapter.adapter_id)}" for n in adapter.params
+                      for kind in ("exp_avg", "exp_avg_sq")} | {"optim_steps"}
+            if set(state) != wanted:
+                raise bad_request("path", "the checkpoint's optimizer state does not match this adapter's layout",
+                                  code="checkpoint_mismatch")
         for name, param in adapter.params.items():
+            key = _portable(name, adapter.adapter_id)
             if state is None:
                 adapter.exp_avg[name] = torch.zeros_like(param, dtype=torch.float32)
                 adapter.exp_avg_sq[name] = torch.zeros_like(param, dtype=torch.float32)
             else:
-                try:
-                    adapter.exp_avg[name] = state[f"exp_avg::{name}"].to(self.device).clone()
-                    adapter.exp_avg_sq[name] = state[f"exp_avg_sq::{name}"].to(self.device).clone()
-                except KeyError as exc:
-                    raise bad_request("path", f"optimizer state lacks {exc}", code="checkpoint_mismatch") from None
+                adapter.exp_avg[name] = state[f"exp_avg::{key}"].to(self.device, torch.float32).clone()
+                adapter.exp_avg_sq[name] = state[f"exp_avg_sq::{key}"].to(self.device, torch.float32).clone()
         adapter.optim_steps = int(state["optim_steps"][0]) if state is not None else 0
 
     def snapshot(self, adapter: Adapter) -> Snapshot:
@@ -323,6 +331,10 @@ class _BaseOnly(nn.Module):
     def forward(self, *args, **kwargs):
         with self.inner.disable_adapter():
             return self.inner(*args, **kwargs)
+
+
+def _portable(param_name: str, adapter_id: str) -> str:
+    return param_name.replace(f".{adapter_id}.", ".")
 
 
 def _micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
