@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import queue
+import collections
 import threading
 import time
 import traceback
 import uuid
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -38,68 +38,124 @@ class Job:
     started: float | None = None
     finished: float | None = None
     done: asyncio.Event | None = None
+    # Jobs with the same batch_key may run together: batch_fn maps their payloads to their results.
+    batch_key: str | None = None
+    payload: Any = None
+    batch_fn: Callable[[list[Any]], list[dict]] | None = None
+    batch_cost: int = 0
 
     def to_status(self, queue_position: int | None = None) -> RequestStatus:
+        now = time.monotonic()
+        queued = (self.started if self.started is not None else now) - self.created
+        ran = None if self.started is None else (self.finished if self.finished is not None else now) - self.started
         return RequestStatus(request_id=self.request_id, status=self.status, result=self.result, error=self.error,
-                             queue_position=queue_position)
+                             queue_position=queue_position, kind=self.kind, queue_seconds=round(queued, 6),
+                             run_seconds=None if ran is None else round(ran, 6))
 
 
 class ModelQueue:
-    """A FIFO of jobs for one base model, drained by one thread."""
+    """A FIFO of jobs for one base model, drained by one thread.
 
-    def __init__(self, name: str, loop: asyncio.AbstractEventLoop) -> None:
+    Sampling jobs for the same weights are coalesced: when one reaches the head, every queued job with
+    its batch_key joins it (up to a token budget) and they decode as one batch. This is safe to reorder
+    because a sampler reads an immutable snapshot, never the training state.
+    """
+
+    def __init__(self, name: str, loop: asyncio.AbstractEventLoop, batch_token_budget: int = 65536,
+                 batch_window: float = 0.005) -> None:
         self.name = name
         self.loop = loop
-        self._queue: queue.Queue[Job | None] = queue.Queue()
-        self._waiting: list[str] = []
-        self._lock = threading.Lock()
+        self.batch_token_budget = batch_token_budget
+        self.batch_window = batch_window  # a short wait lets requests sent together arrive together
+        self._jobs: collections.deque[Job] = collections.deque()
+        self._cond = threading.Condition()
+        self._stopped = False
         self._thread = threading.Thread(target=self._run, name=f"model-{name}", daemon=True)
         self._thread.start()
 
     def put(self, job: Job) -> None:
-        with self._lock:
-            self._waiting.append(job.request_id)
-        self._queue.put(job)
+        with self._cond:
+            self._jobs.append(job)
+            self._cond.notify()
 
     def position(self, request_id: str) -> int | None:
-        with self._lock:
-            try:
-                return self._waiting.index(request_id)
-            except ValueError:
-                return None
+        with self._cond:
+            for index, job in enumerate(self._jobs):
+                if job.request_id == request_id:
+                    return index
+        return None
+
+    def depth(self) -> int:
+        with self._cond:
+            return len(self._jobs)
 
     def stop(self) -> None:
-        self._queue.put(None)
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+
+    def _take(self) -> list[Job] | None:
+        with self._cond:
+            while not self._jobs and not self._stopped:
+                self._cond.wait()
+            if self._stopped:
+                return None
+            head = self._jobs.popleft()
+            if head.batch_key is None:
+                return [head]
+        if self.batch_window > 0:
+            time.sleep(self.batch_window)
+        with self._cond:
+            group, budget = [head], self.batch_token_budget - head.batch_cost
+            for job in list(self._jobs):
+                if job.batch_key == head.batch_key and job.batch_cost <= budget:
+                    group.append(job)
+                    budget -= job.batch_cost
+                    self._jobs.remove(job)
+            return group
 
     def _run(self) -> None:
         while True:
-            job = self._queue.get()
-            if job is None:
+            group = self._take()
+            if group is None:
                 return
-            with self._lock:
-                self._waiting.remove(job.request_id)
-            job.status = "running"
-            job.started = time.monotonic()
-            try:
-                job.result = job.fn()
-                job.status = "succeeded"
-            except WorkerError as exc:
-                job.error = ErrorBody(code=exc.code, message=exc.message, field=exc.field)
-                job.status = "failed"
-            except torch.OutOfMemoryError as exc:
-                job.error = ErrorBody(code="out_of_memory", message=f"out of memory while running {job.kind}: {exc}"
-                                      " (reduce the batch or sequence length)")
-                job.status = "failed"
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
-            except Exception as exc:  # noqa: BLE001 - the error goes back to this request only
-                logger.error("request %s (%s) failed:\n%s", job.request_id, job.kind, traceback.format_exc())
-                job.error = ErrorBody(code="internal_error", message=f"{job.kind} failed: {type(exc).__name__}: {exc}")
-                job.status = "failed"
-            job.finished = time.monotonic()
-            job.fn = _done  # drop references to request tensors
-            if job.done is not None:
-                self.loop.call_soon_threadsafe(job.done.set)
+            now = time.monotonic()
+            for job in group:
+                job.status, job.started = "running", now
+            if len(group) > 1:
+                try:
+                    results = group[0].batch_fn([job.payload for job in group])
+                except Exception:  # noqa: BLE001 - one bad request must not fail its batch-mates
+                    logger.warning("batched %s failed; running its %d jobs one by one", group[0].kind, len(group))
+                else:
+                    for job, result in zip(group, results):
+                        self._finish(job, result=result)
+                    continue
+            for job in group:
+                self._execute(job)
+
+    def _execute(self, job: Job) -> None:
+        try:
+            self._finish(job, result=job.fn())
+        except WorkerError as exc:
+            self._finish(job, error=ErrorBody(code=exc.code, message=exc.message, field=exc.field))
+        except torch.OutOfMemoryError as exc:
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            self._finish(job, error=ErrorBody(code="out_of_memory", message=f"out of memory while running {job.kind}: "
+                                              f"{exc} (reduce the batch or sequence length)"))
+        except Exception as exc:  # noqa: BLE001 - the error goes back to this request only
+            logger.error("request %s (%s) failed:\n%s", job.request_id, job.kind, traceback.format_exc())
+            self._finish(job, error=ErrorBody(code="internal_error", message=f"{job.kind} failed: "
+                                              f"{type(exc).__name__}: {exc}"))
+
+    def _finish(self, job: Job, result: dict | None = None, error: ErrorBody | None = None) -> None:
+        job.result, job.error = result, error
+        job.status = "failed" if error is not None else "succeeded"
+        job.finished = time.monotonic()
+        job.fn, job.payload, job.batch_fn = _done, None, None  # drop references to request tensors
+        if job.done is not None:
+            self.loop.call_soon_threadsafe(job.done.set)
 
 
 def _done() -> dict:
@@ -107,25 +163,40 @@ def _done() -> dict:
 
 
 class RequestStore:
+    """Every request by id, for polling. A finished request is forgotten ``result_ttl`` seconds later."""
+
     def __init__(self, result_ttl: float = 3600.0) -> None:
         self.result_ttl = result_ttl
         self._jobs: dict[str, Job] = {}
-        self._queues: dict[str, str] = {}
+        self._unfinished: dict[str, Job] = {}  # queued or running; only touched on the event loop
 
     def new_job(self, kind: str, fn: Callable[[], dict], owner: str = "") -> Job:
         job = Job(request_id=f"req-{uuid.uuid4().hex}", kind=kind, fn=fn, owner=owner, done=asyncio.Event())
         self._jobs[job.request_id] = job
+        self._unfinished[job.request_id] = job
         return job
 
     def get(self, request_id: str, owner: str | None = None) -> Job | None:
         job = self._jobs.get(request_id)
         if job is None or (owner is not None and job.owner != owner):
             return None
+        if self._expired(job, time.monotonic()):
+            del self._jobs[request_id]
+            return None
         return job
+
+    def unfinished(self, owner: str) -> int:
+        """How many of this owner's requests are queued or running."""
+        for rid in [rid for rid, job in self._unfinished.items() if job.finished is not None]:
+            del self._unfinished[rid]
+        return sum(1 for job in self._unfinished.values() if job.owner == owner)
+
+    def _expired(self, job: Job, now: float) -> bool:
+        return job.finished is not None and now - job.finished > self.result_ttl
 
     def sweep(self) -> int:
         now = time.monotonic()
-        stale = [rid for rid, job in self._jobs.items() if job.finished and now - job.finished > self.result_ttl]
+        stale = [rid for rid, job in self._jobs.items() if self._expired(job, now)]
         for rid in stale:
             del self._jobs[rid]
         return len(stale)

@@ -20,6 +20,7 @@ __all__ = [
     "SampleSpec",
     "SampledSequence",
     "generate",
+    "generate_batch",
     "row_seed",
     "teacher_forced_logprobs",
 ]
@@ -261,3 +262,120 @@ def generate(model, spec: SampleSpec, tokenizer=None) -> SampleResult:
         SampledSequence(tokens=tokens[r], logprobs=logprobs[r], stop_reason=reasons[r]) for r in range(n)
     ]
     return SampleResult(sequences=sequences, prompt_logprobs=prompt_lps, topk_prompt_logprobs=topk_lps)
+
+
+def generate_batch(model, specs: list[SampleSpec], tokenizer=None) -> list[SampleResult]:
+    """Decode several sample requests as one batch (the async recipe's concurrent prompts).
+
+    Each prompt is prefilled once; the caches are left-padded to a common length and merged, with an
+    attention mask over the padding and per-row position ids, then every row of every request advances
+    together. Row ``r`` of a request uses the same generator seed as in ``generate``, so a request gets
+    the same tokens whether it ran alone or batched with others.
+    """
+    if len(specs) == 1 or any(s.max_tokens < 1 for s in specs):
+        return [generate(model, s, tokenizer) for s in specs]
+    for spec in specs:
+        if not spec.prompt_tokens or spec.num_samples < 1 or spec.temperature < 0 or not 0 < spec.top_p <= 1:
+            raise ValueError("invalid sample spec in batch")
+        if spec.stop_strings and tokenizer is None:
+            raise ValueError("stop_strings need a tokenizer")
+    device = _model_device(model)
+    owner: list[int] = []  # request index of each row
+    sample_index: list[int] = []
+    generators: list[torch.Generator | None] = []
+    for i, spec in enumerate(specs):
+        seed = spec.seed if spec.seed is not None else random.SystemRandom().getrandbits(63)
+        for r in range(spec.num_samples):
+            owner.append(i)
+            sample_index.append(r)
+            if spec.temperature == 0:
+                generators.append(None)
+            else:
+                g = torch.Generator(device=device)
+                g.manual_seed(row_seed(seed, r))
+                generators.append(g)
+    windows = [max((len(s.encode("utf-8")) for s in spec.stop_strings if s), default=0) + 4 for spec in specs]
+    tokens: list[list[int]] = [[] for _ in owner]
+    logprobs: list[list[float]] = [[] for _ in owner]
+    reasons = ["length"] * len(owner)
+    prompt_info: list[tuple] = []
+
+    with torch.no_grad(), _EvalMode(model):
+        caches, first_logits = [], []
+        for spec in specs:
+            want = spec.include_prompt_logprobs or spec.topk_prompt_logprobs > 0
+            prompt = torch.tensor(spec.prompt_tokens, dtype=torch.long, device=device)
+            logits, cache = _forward(model, prompt[None, :], None, logits_to_keep=0 if want else 1)
+            prompt_info.append(_prompt_logprobs(logits[0], prompt, spec.include_prompt_logprobs,
+                                                spec.topk_prompt_logprobs) if want else (None, None))
+            first_logits.append(logits[:, -1, :].float())
+            caches.append(cache)
+            del logits
+        lengths = [len(s.prompt_tokens) for s in specs]
+        longest = max(lengths)
+        cache = caches[0]
+        for layer_index, layer in enumerate(cache.layers):
+            for attr in ("keys", "values"):
+                parts = []
+                for spec, c, n in zip(specs, caches, lengths):
+                    t = getattr(c.layers[layer_index], attr)
+                    if n < longest:
+                        t = torch.nn.functional.pad(t, (0, 0, longest - n, 0))
+                    parts.append(t.repeat_interleave(spec.num_samples, dim=0))
+                setattr(layer, attr, torch.cat(parts, dim=0))
+        attention = torch.zeros((len(owner), longest), dtype=torch.long, device=device)
+        for row, i in enumerate(owner):
+            attention[row, longest - lengths[i]:] = 1
+        positions = torch.tensor([lengths[i] for i in owner], dtype=torch.long, device=device)
+        step_logits = torch.cat([first_logits[i] for i in owner], dim=0)
+        active = list(range(len(owner)))
+
+        while True:
+            lp_all = torch.log_softmax(step_logits, dim=-1)
+            next_tok = torch.empty(len(active), dtype=torch.long, device=device)
+            for i, spec in enumerate(specs):
+                block = [b for b, r in enumerate(active) if owner[r] == i]
+                if not block:
+                    continue
+                if spec.temperature == 0:
+                    next_tok[block] = lp_all[block].argmax(dim=-1)
+                    continue
+                top_k = spec.top_k if spec.top_k and spec.top_k > 0 else 0
+                plain = spec.temperature == 1.0 and top_k == 0 and spec.top_p >= 1.0
+                probs = lp_all[block].exp() if plain else _filtered_probs(step_logits[block], spec.temperature,
+                                                                         top_k, spec.top_p)
+                for j, b in enumerate(block):
+                    next_tok[b] = torch.multinomial(probs[j], 1, generator=generators[active[b]])[0]
+            tok_lp = lp_all.gather(-1, next_tok[:, None])[:, 0]
+            keep: list[int] = []
+            for b, (t, lp) in enumerate(zip(next_tok.tolist(), tok_lp.tolist())):
+                r = active[b]
+                spec = specs[owner[r]]
+                tokens[r].append(t)
+                logprobs[r].append(lp)
+                if t in spec.stop_token_ids or (spec.stop_strings and _stop_string_hit(
+                        tokenizer, tokens[r], spec.stop_strings, windows[owner[r]])):
+                    reasons[r] = "stop"
+                elif len(tokens[r]) < spec.max_tokens:
+                    keep.append(b)
+            if not keep:
+                break
+            if len(keep) < len(active):
+                idx = torch.tensor(keep, dtype=torch.long, device=device)
+                cache.batch_select_indices(idx)
+                attention, positions, next_tok = attention[idx], positions[idx], next_tok[idx]
+                active = [active[b] for b in keep]
+            attention = torch.cat([attention, attention.new_ones((len(active), 1))], dim=1)
+            out = model(input_ids=next_tok[:, None], cache=cache, attention_mask=attention,
+                        position_ids=positions[:, None], use_cache=True, logits_to_keep=1)
+            cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+            step_logits = out.logits[:, -1, :].float()
+            positions = positions + 1
+
+    results = []
+    for i, spec in enumerate(specs):
+        rows = [r for r in range(len(owner)) if owner[r] == i]
+        sequences = [SampledSequence(tokens=tokens[r], logprobs=logprobs[r], stop_reason=reasons[r]) for r in rows]
+        results.append(SampleResult(sequences=sequences, prompt_logprobs=prompt_info[i][0],
+                                    topk_prompt_logprobs=prompt_info[i][1]))
+    return results

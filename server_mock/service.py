@@ -43,7 +43,7 @@ from pytrio_compat.wire import (
 from . import losses
 from .engine import ModelQueue, RequestStore, run_id
 from .errors import WorkerError, bad_request, not_found
-from .sampling import SampleSpec, generate
+from .sampling import SampleSpec, generate_batch
 from .storage import CheckpointRef, CheckpointStore, check_name, parse_path
 from .training import Adapter, ModelHost, Snapshot
 
@@ -485,24 +485,39 @@ class WorkerService:
         return_text = request.return_text
 
         def run_sample() -> dict:
-            model = host.sampling_model(snapshot)
-            result = generate(model, spec, host.tokenizer)
+            return self._sample_batch(host, snapshot, [(spec, return_text)])[0]
+
+        job = self.requests.new_job("sample", run_sample, tenant)
+        job.batch_key = f"{sampler.base_model}:{snapshot.snapshot_id if snapshot else 'base'}"
+        job.payload = (spec, return_text)
+        job.batch_fn = lambda payloads: self._sample_batch(host, snapshot, payloads)
+        job.batch_cost = spec.num_samples * (len(spec.prompt_tokens) + spec.max_tokens)
+        self.queues[sampler.base_model].put(job)
+        return Accepted(request_id=job.request_id)
+
+    @staticmethod
+    def _sample_batch(host: ModelHost, snapshot: Snapshot | None, payloads: list[tuple[SampleSpec, bool]]) -> list[dict]:
+        """Run one or more sample requests for the same weights as one decoding batch."""
+        model = host.sampling_model(snapshot)
+        started = time.perf_counter()
+        results = generate_batch(model, [spec for spec, _ in payloads], host.tokenizer)
+        elapsed = time.perf_counter() - started
+        out = []
+        for (spec, return_text), result in zip(payloads, results):
             sequences = [
                 {"stop_reason": s.stop_reason, "tokens": s.tokens, "logprobs": s.logprobs,
                  "text": host.tokenizer.decode(s.tokens, skip_special_tokens=True) if return_text else None}
                 for s in result.sequences
             ]
-            return {
+            out.append({
                 "sequences": sequences,
                 "prompt_logprobs": result.prompt_logprobs or [],
                 "topk_prompt_logprobs": result.topk_prompt_logprobs or [],
                 "input_tokens": len(spec.prompt_tokens),
                 "output_tokens": sum(len(s.tokens) for s in result.sequences),
-            }
-
-        job = self.requests.new_job("sample", run_sample, tenant)
-        self.queues[sampler.base_model].put(job)
-        return Accepted(request_id=job.request_id)
+                "metrics": {"batch_requests": float(len(payloads)), "time/generate": elapsed},
+            })
+        return out
 
     def _validate_sample(self, request: SampleRequest, host: ModelHost) -> SampleSpec:
         params = request.sampling_params

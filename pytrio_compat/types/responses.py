@@ -52,6 +52,8 @@ class SampleResponse(_Model):
     input_tokens: int = 0
     output_tokens: int = 0
     type: Literal["sample"] = "sample"
+    # Worker timings, e.g. how many requests decoded together and how long generation took.
+    metrics: dict[str, float] = {}
 
 
 class ModelOperationCapabilities(_Model):
