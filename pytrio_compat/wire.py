@@ -58,6 +58,9 @@ class RequestStatus(WireModel):
     result: dict[str, Any] | None = None
     error: ErrorBody | None = None
     queue_position: int | None = None
+    kind: str | None = None  # the operation, e.g. "forward_backward" or "sample"
+    queue_seconds: float | None = None  # time spent waiting in the model's queue (so far)
+    run_seconds: float | None = None  # time spent running (so far); None while queued
 
 
 # --- training ---------------------------------------------------------------------------------------
