@@ -121,6 +121,7 @@ class Runtime:
         op = operation or f"{method} {path}"
         delay = cfg.retry_initial_delay_seconds
         deadline: float | None = None
+        told_about_limit = False
         while True:
             try:
                 response = await self.http.request(
@@ -134,6 +135,10 @@ class Runtime:
                     raise error
                 last: Exception = error
                 retry_after = _retry_after(response)
+                if response.status_code == 429 and not told_about_limit:
+                    told_about_limit = True  # say once why the call is waiting, then keep retrying quietly
+                    logger.warning("%s is waiting: %s (retrying for up to %.0fs)", op,
+                                   getattr(error, "message", error), window)
             except _RETRYABLE_EXCEPTIONS as exc:
                 last = ConnectionFailedError(
                     f"could not reach the worker at {self.base_url}: {type(exc).__name__}: {exc}",
@@ -167,6 +172,12 @@ class Runtime:
                         f"the worker no longer knows request {request_id} ({operation})",
                         hint="the worker was restarted or the result expired; resubmit the call",
                         request_id=request_id, operation=operation, status_code=404,
+                    ) from exc
+                if isinstance(exc, ConnectionFailedError):
+                    raise ConnectionFailedError(
+                        f"lost contact with the worker while waiting for request {request_id} ({operation}): "
+                        f"{exc.message}", hint="check the worker; if it restarted, the request is gone: resubmit it",
+                        request_id=request_id, operation=operation, retryable=True,
                     ) from exc
                 raise
             status = RequestStatus.model_validate(raw)

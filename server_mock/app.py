@@ -13,7 +13,7 @@ from typing import Any, Awaitable, Callable
 from pydantic import BaseModel
 from pydantic import ValidationError as PydanticValidationError
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -95,6 +95,9 @@ def create_app(service: WorkerService, api_keys: list[str] | None = None) -> Sta
                 result = await handler(request, tenant, **kwargs)
             except WorkerError as exc:
                 return error_response(exc, request_id)
+            except ClientDisconnect:  # the client went away mid-body: nothing was queued, nobody to answer
+                logger.debug("client disconnected while sending %s", request.url.path)
+                return Response(status_code=499)
             except Exception as exc:  # noqa: BLE001 - never a bare 500 without a message
                 logger.exception("unhandled error in %s", request.url.path)
                 return error_response(WorkerError(500, "internal_error", f"{type(exc).__name__}: {exc}"), request_id)
@@ -107,9 +110,10 @@ def create_app(service: WorkerService, api_keys: list[str] | None = None) -> Sta
 
     idempotent_results: dict[str, Any] = {}
 
-    async def remember(request: Request, make: Callable[[], Awaitable[Any]]) -> Any:
+    async def remember(request: Request, tenant: str, make: Callable[[], Awaitable[Any]]) -> Any:
         """A create request resent with the same Idempotency-Key gets the first answer, not a second object."""
         key = request.headers.get("idempotency-key")
+        key = f"{tenant}:{key}" if key else None  # one tenant's key never answers with another's object
         if key and key in idempotent_results:
             return idempotent_results[key]
         result = await make()
@@ -133,7 +137,7 @@ def create_app(service: WorkerService, api_keys: list[str] | None = None) -> Sta
         return TokenizerFiles(model=model, files=await service.tokenizer_files(model))
 
     async def create_run(request: Request, tenant: str, body: CreateTrainingRun, raw: bytes):
-        return await remember(request, lambda: service.create_training_run(body, tenant))
+        return await remember(request, tenant, lambda: service.create_training_run(body, tenant))
 
     async def get_run(request: Request, tenant: str):
         run = service.get_run(request.path_params["run_id"], tenant)
@@ -157,7 +161,7 @@ def create_app(service: WorkerService, api_keys: list[str] | None = None) -> Sta
         return service.list_checkpoints(tenant, request.query_params.get("training_run_id") or None)
 
     async def create_sampler(request: Request, tenant: str, body: CreateSampler, raw: bytes):
-        return await remember(request, lambda: service.create_sampler(body, tenant))
+        return await remember(request, tenant, lambda: service.create_sampler(body, tenant))
 
     async def get_sampler(request: Request, tenant: str):
         sampler = service.get_sampler(request.path_params["sampler_id"], tenant)
@@ -175,7 +179,8 @@ def create_app(service: WorkerService, api_keys: list[str] | None = None) -> Sta
             wait = min(float(request.query_params.get("wait", "0")), MAX_POLL_SECONDS)
         except ValueError:
             raise WorkerError(400, "invalid_query", "wait: must be a number of seconds", "wait") from None
-        await service.requests.wait(job, max(wait, 0.0))
+        if not await _wait_unless_disconnected(request, service.requests.wait(job, max(wait, 0.0))):
+            return Response(status_code=499)  # the poller went away; the request itself runs on regardless
         position = None
         if job.status == "queued":
             for q in service.queues.values():
@@ -203,11 +208,17 @@ def create_app(service: WorkerService, api_keys: list[str] | None = None) -> Sta
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
+        sweep_every = max(0.05, min(60.0, service.requests.result_ttl / 2))  # results go within 1.5 x TTL
+
         async def sweeper() -> None:
+            loop = asyncio.get_running_loop()
+            last_disk_sweep = loop.time()
             while True:
-                await asyncio.sleep(60)
+                await asyncio.sleep(sweep_every)
                 service.requests.sweep()
-                await asyncio.to_thread(service.store.sweep_expired)
+                if loop.time() - last_disk_sweep >= 60:
+                    last_disk_sweep = loop.time()
+                    await asyncio.to_thread(service.store.sweep_expired)
 
         task = asyncio.create_task(sweeper())
         try:
@@ -232,6 +243,25 @@ async def _read_body(request: Request, limit: int) -> bytes:
             raise WorkerError(413, "body_too_large", f"body: exceeds limit max_body_bytes={limit}", "body")
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+async def _wait_unless_disconnected(request: Request, wait: Awaitable[None]) -> bool:
+    """Run ``wait``; stop early (returning False) if the client disconnects meanwhile."""
+
+    async def disconnected() -> None:
+        try:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+        except Exception:  # noqa: BLE001 - cannot tell: just wait for the request
+            await asyncio.Event().wait()
+
+    waiter, watcher = asyncio.ensure_future(wait), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({waiter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
+        watcher.cancel()
+    return not (watcher.done() and not watcher.cancelled())
 
 
 def _is_json_error(exc: PydanticValidationError) -> bool:

@@ -40,13 +40,20 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--storage", default="./storage", help="checkpoint folder")
     serve.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     serve.add_argument("--result-ttl", type=float, default=3600.0,
-                       help="seconds a finished request's result is kept for polling")
+                       help="seconds a finished request's result is kept for polling (default 3600)")
     serve.add_argument("--max-body-bytes", type=int, default=64 * 1024 * 1024)
     serve.add_argument("--max-seq-len", type=int, default=8192)
     serve.add_argument("--max-tokens-per-request", type=int, default=262_144)
     serve.add_argument("--max-sample-tokens", type=int, default=8192)
     serve.add_argument("--max-num-samples", type=int, default=256)
-    serve.add_argument("--max-training-runs", type=int, default=64)
+    serve.add_argument("--max-training-runs", type=int, default=64, help="training runs per API key")
+    serve.add_argument("--max-adapters", type=int, default=256, help="training runs on this worker, all keys together")
+    serve.add_argument("--max-queued-requests", type=int, default=1024,
+                       help="training ops and samples queued or running, per API key (more get 429 + Retry-After)")
+    serve.add_argument("--max-samplers", type=int, default=1024, help="sampling clients kept (oldest dropped first)")
+    serve.add_argument("--allow-adapter-dir", action="append", default=[], metavar="DIR",
+                       help="let clients sample from PEFT adapter folders under DIR "
+                            "(create_sampling_client(model_path=...)); repeatable")
     serve.add_argument("--max-snapshots", type=int, default=16,
                        help="in-memory sampler snapshots kept (save_weights_and_get_sampling_client)")
     serve.add_argument("--log-level", default="INFO")
@@ -90,9 +97,19 @@ def serve(args: argparse.Namespace) -> None:
     limits = Limits(max_body_bytes=args.max_body_bytes, max_seq_len=args.max_seq_len,
                     max_tokens_per_request=args.max_tokens_per_request, max_sample_tokens=args.max_sample_tokens,
                     max_num_samples=args.max_num_samples, max_training_runs=args.max_training_runs,
-                    max_snapshots=args.max_snapshots)
+                    max_adapters=args.max_adapters, max_queued_requests=args.max_queued_requests,
+                    max_samplers=args.max_samplers, max_snapshots=args.max_snapshots)
+    for folder in args.allow_adapter_dir:
+        if not Path(folder).is_dir():
+            sys.exit(f"--allow-adapter-dir {folder}: not a folder")
+    if args.result_ttl <= 0:
+        sys.exit("--result-ttl must be positive")
     service = WorkerService(dict(args.model), args.storage, device, resolve_dtype(args.dtype, device),
-                            lazy_models=args.lazy_models, limits=limits, result_ttl=args.result_ttl)
+                            lazy_models=args.lazy_models, limits=limits, result_ttl=args.result_ttl,
+                            allow_adapter_dirs=args.allow_adapter_dir)
+    if service.fault_injection:
+        logging.getLogger("server_mock").warning("fault injection is ON (PYTRIO_WORKER_FAULT_INJECTION): requests "
+                                                 "may ask to fail on purpose; never use this in production")
     app = create_app(service, keys)
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

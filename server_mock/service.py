@@ -11,6 +11,7 @@ import base64
 import hashlib
 import logging
 import math
+import os
 import tempfile
 import time
 from collections import OrderedDict
@@ -40,7 +41,7 @@ from pytrio_compat.wire import (
     TrainingRunInfo,
 )
 
-from . import losses
+from . import faults, local_adapters, losses
 from .engine import ModelQueue, RequestStore, run_id
 from .errors import WorkerError, bad_request, not_found
 from .sampling import SampleSpec, generate_batch
@@ -59,7 +60,9 @@ class Limits:
     max_tokens_per_request: int = 262_144
     max_sample_tokens: int = 8192
     max_num_samples: int = 256
-    max_training_runs: int = 64
+    max_training_runs: int = 64  # per tenant
+    max_adapters: int = 256  # training runs on the whole worker, all tenants together
+    max_queued_requests: int = 1024  # per tenant: training ops and samples queued or running
     max_samplers: int = 1024
     max_snapshots: int = 16
     max_lora_rank: int = 128
@@ -86,8 +89,14 @@ class Sampler:
 
 class WorkerService:
     def __init__(self, models: dict[str, str], storage: str | Path, device: str, dtype: torch.dtype,
-                 lazy_models: bool = False, limits: Limits | None = None, result_ttl: float = 3600.0) -> None:
+                 lazy_models: bool = False, limits: Limits | None = None, result_ttl: float = 3600.0,
+                 allow_adapter_dirs: list[str] | None = None, fault_injection: bool | None = None) -> None:
         self.model_sources = dict(models)
+        # local PEFT adapter folders may be sampled from only inside these (real paths, symlinks resolved)
+        self.allow_adapter_dirs = [os.path.realpath(d) for d in (allow_adapter_dirs or [])]
+        self.fault_injection = faults.enabled_by_environment() if fault_injection is None else fault_injection
+        self._layouts: dict[str, dict[str, local_adapters.Layer]] = {}
+        self._local_snapshots: OrderedDict[str, Snapshot] = OrderedDict()
         self.lazy_models = lazy_models
         self.device = device
         self.dtype = dtype
@@ -178,6 +187,10 @@ class WorkerService:
             raise WorkerError(429, "too_many_training_runs",
                               f"limit max_training_runs={self.limits.max_training_runs} reached; "
                               "delete runs or raise --max-training-runs")
+        if len(self.runs) >= self.limits.max_adapters:
+            raise WorkerError(429, "too_many_adapters",
+                              f"limit max_adapters={self.limits.max_adapters} reached on this worker (all tenants); "
+                              "retry later or raise --max-adapters")
         meta = None
         if body.from_checkpoint:
             ref = self._owned_ref(body.from_checkpoint, tenant, "from_checkpoint")
@@ -246,6 +259,7 @@ class WorkerService:
         if op.seq_id != run.last_seq + 1:
             raise WorkerError(409, "seq_id_out_of_order",
                               f"seq_id: expected {run.last_seq + 1}, got {op.seq_id}", "seq_id")
+        self._check_queued(tenant)
         fn, kind = self._prepare(run, op.payload)
         job = self.requests.new_job(kind, fn, tenant)
         run.last_seq = op.seq_id
@@ -255,20 +269,29 @@ class WorkerService:
         self.queues[run.base_model].put(job)
         return Accepted(request_id=job.request_id)
 
+    def _check_queued(self, tenant: str) -> None:
+        limit = self.limits.max_queued_requests
+        if self.requests.unfinished(tenant) >= limit:
+            raise WorkerError(429, "too_many_queued_requests",
+                              f"limit max_queued_requests={limit} reached: this API key has {limit} requests queued "
+                              "or running; retry when some finish (or raise --max-queued-requests)")
+
     def _prepare(self, run: TrainingRun, payload):
         host = self.hosts[run.base_model]
         adapter = run.adapter
         if isinstance(payload, ForwardOp):
             loss_fn = payload.loss_fn
+            backward = payload.op == "forward_backward"
+            loss_config, fault = faults.split_config(payload.loss_fn_config, self.fault_injection, backward)
             try:
-                config = losses.resolve_loss_config(loss_fn, payload.loss_fn_config)
+                config = losses.resolve_loss_config(loss_fn, loss_config)
             except losses.LossConfigError as exc:
                 raise bad_request(exc.field, str(exc), code="invalid_loss") from None
             data = self._validate_data(payload, host)
-            backward = payload.op == "forward_backward"
 
             def run_forward() -> dict:
-                out = host.forward_backward(adapter, data, loss_fn, config, backward)
+                with faults.injected(fault, list(adapter.params.values())):
+                    out = host.forward_backward(adapter, data, loss_fn, config, backward)
                 return {
                     "loss_fn_outputs": [{k: WireTensor.from_array(v).model_dump() for k, v in o.items()}
                                         for o in out["outputs"]],
@@ -433,6 +456,8 @@ class WorkerService:
 
     async def create_sampler(self, body: CreateSampler, tenant: str) -> SamplerInfo:
         base_model = body.base_model
+        if body.model_path and local_adapters.is_local_path(body.model_path):
+            return await self._create_local_sampler(body, tenant)
         if body.model_path:
             ref = self._owned_ref(body.model_path, tenant, "model_path")
             if body.model_path in self.snapshots:
@@ -451,6 +476,38 @@ class WorkerService:
             self.samplers.popitem(last=False)
         return SamplerInfo(sampler_id=sampler.sampler_id, base_model=base_model, model_path=body.model_path)
 
+    async def _create_local_sampler(self, body: CreateSampler, tenant: str) -> SamplerInfo:
+        folder = local_adapters.resolve(body.model_path, self.allow_adapter_dirs)
+        base_model = body.base_model
+        if not base_model:
+            hint = local_adapters.base_model_hint(folder)
+            if hint not in self.model_sources and hint not in self.hosts:
+                raise bad_request("base_model", f"required for a local adapter folder ({folder} names base model "
+                                                f"{hint!r}, which this worker does not serve)")
+            base_model = hint
+        host = await self.host(base_model)
+        if base_model not in self._layouts:
+            layout = await self.run_on_model(base_model, "adapter_layout",
+                                             lambda: {"layout": local_adapters.model_layout(host)}, tenant)
+            self._layouts[base_model] = layout["layout"]
+        await asyncio.to_thread(self._local_snapshot, str(folder), host, base_model)  # check it now, once
+        sampler = Sampler(run_id("sampler"), tenant, base_model, str(folder))
+        self.samplers[sampler.sampler_id] = sampler
+        while len(self.samplers) > self.limits.max_samplers:
+            self.samplers.popitem(last=False)
+        return SamplerInfo(sampler_id=sampler.sampler_id, base_model=base_model, model_path=body.model_path)
+
+    def _local_snapshot(self, path: str, host: ModelHost, base_model: str) -> Snapshot:
+        folder = local_adapters.resolve(path, self.allow_adapter_dirs)
+        key = f"{base_model}:{local_adapters.fingerprint(folder)}"
+        if key not in self._local_snapshots:
+            self._local_snapshots[key] = local_adapters.load(folder, host, self._layouts[base_model],
+                                                             self.limits.max_lora_rank)
+            while len(self._local_snapshots) > self.limits.max_snapshots:
+                self._local_snapshots.popitem(last=False)
+        self._local_snapshots.move_to_end(key)
+        return self._local_snapshots[key]
+
     def get_sampler(self, sampler_id: str, tenant: str) -> Sampler:
         sampler = self.samplers.get(sampler_id)
         if sampler is None or sampler.tenant != tenant:
@@ -460,6 +517,8 @@ class WorkerService:
     def _snapshot_for(self, sampler: Sampler, host: ModelHost) -> Snapshot | None:
         if sampler.model_path is None:
             return None
+        if local_adapters.is_local_path(sampler.model_path):
+            return self._local_snapshot(sampler.model_path, host, sampler.base_model)
         if sampler.model_path in self.snapshots:
             self.snapshots.move_to_end(sampler.model_path)
             return self.snapshots[sampler.model_path][1]
@@ -479,6 +538,7 @@ class WorkerService:
 
     def submit_sample(self, sampler_id: str, request: SampleRequest, tenant: str) -> Accepted:
         sampler = self.get_sampler(sampler_id, tenant)
+        self._check_queued(tenant)
         host = self.hosts[sampler.base_model]
         spec = self._validate_sample(request, host)
         snapshot = self._snapshot_for(sampler, host)
