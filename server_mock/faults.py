@@ -79,6 +79,7 @@ def injected(fault: dict | None, params: list[torch.nn.Parameter]) -> Iterator[N
                                  f"{len(params)} adapter gradients were accumulated")
 
         for param in params:
+            param.requires_grad_(True)  # as forward_backward's adapter activation does
             handles.append(param.register_post_accumulate_grad_hook(count))
             handles.append(param.register_hook(fail))
     try:

@@ -1,0 +1,64 @@
+"""A client that never polls: finished results are dropped after --result-ttl seconds, with a clear 404."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+import pytrio_compat as trio
+from pytrio_compat.errors import RequestLostError
+from server_mock.engine import Job, RequestStore
+from support import WorkerProcess
+
+
+@pytest.fixture(scope="module")
+def short_ttl_worker(tiny_model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("ttl-worker")
+    proc = WorkerProcess(tiny_model_dir, root / "storage", "--result-ttl", "1").start()
+    yield proc
+    proc.stop()
+
+
+def submit_sample(http: httpx.Client) -> str:
+    sampler = http.post("/v1/samplers", json={"base_model": "tiny"}).json()["sampler_id"]
+    body = {"prompt_tokens": [4, 5, 6], "sampling_params": {"max_tokens": 4, "seed": 1}}
+    return http.post(f"/v1/samplers/{sampler}/sample", json=body).json()["request_id"]
+
+
+def test_unpolled_and_polled_results_expire_after_the_ttl(short_ttl_worker):
+    with httpx.Client(base_url=short_ttl_worker.base_url, timeout=30) as http:
+        never_polled = submit_sample(http)
+        polled = submit_sample(http)
+        assert http.get(f"/v1/requests/{polled}", params={"wait": 10}).json()["status"] == "succeeded"
+        time.sleep(2.2)  # TTL 1 s; the sweep runs every TTL/2
+        for rid in (never_polled, polled):
+            response = http.get(f"/v1/requests/{rid}")
+            assert response.status_code == 404, response.text
+            assert "expired or worker restarted" in response.json()["error"]["message"]
+        assert http.get("/v1/health").json()["status"] == "ok"
+
+
+def test_the_client_reports_an_expired_result_as_lost(short_ttl_worker, client_cache):
+    client = trio.ServiceClient(base_url=short_ttl_worker.base_url)
+    try:
+        with httpx.Client(base_url=short_ttl_worker.base_url, timeout=30) as http:
+            rid = submit_sample(http)
+        time.sleep(2.2)
+        started = time.monotonic()
+        with pytest.raises(RequestLostError) as err:
+            client._runtime.run(client._runtime.wait_for_request(rid, "sample"))
+        assert rid in str(err.value) and "expired" in str(err.value)
+        assert time.monotonic() - started < 5  # a 404 is final: no retrying
+    finally:
+        client.close()
+
+
+def test_the_sweep_forgets_finished_requests_only():
+    store = RequestStore(result_ttl=0.05)
+    finished = Job("req-done", "sample", lambda: {}, finished=time.monotonic() - 1)
+    running = Job("req-running", "sample", lambda: {}, status="running")
+    store._jobs.update({finished.request_id: finished, running.request_id: running})
+    assert store.sweep() == 1
+    assert store.get("req-done") is None and store.get("req-running") is running
