@@ -245,7 +245,24 @@ class WorkerService:
         run = self.get_run(training_run_id, tenant)
         host = self.hosts[run.base_model]
         del self.runs[training_run_id]
-        await self.run_on_model(run.base_model, "delete_training_run", lambda: host.delete_adapter(run.run_id) or {})
+
+        def delete() -> dict:
+            host.adapters.pop(run.run_id, None)
+            for param in run.adapter.params.values():
+                param.grad = None
+            if host.peft is None:
+                return {}
+            names = list(host.peft.peft_config)
+            unused = [name for name in names if name.startswith("run-") and name not in host.adapters]
+            if len(unused) == len(names):
+                # PEFT cannot drop its last adapter cleanly (disabling adapters, as base-model sampling does,
+                # then fails on the missing name): one stays, unused, until another adapter exists
+                unused = unused[1:]
+            for name in unused:
+                host.delete_adapter(name)
+            return {}
+
+        await self.run_on_model(run.base_model, "delete_training_run", delete)
 
     def submit_op(self, training_run_id: str, op: TrainingOp, body_hash: str, tenant: str) -> Accepted:
         """Accept one training op in seq_id order. A resent seq_id returns the original request."""

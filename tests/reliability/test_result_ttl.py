@@ -27,30 +27,25 @@ def submit_sample(http: httpx.Client) -> str:
     return http.post(f"/v1/samplers/{sampler}/sample", json=body).json()["request_id"]
 
 
-def test_unpolled_and_polled_results_expire_after_the_ttl(short_ttl_worker):
-    with httpx.Client(base_url=short_ttl_worker.base_url, timeout=30) as http:
-        never_polled = submit_sample(http)
-        polled = submit_sample(http)
-        assert http.get(f"/v1/requests/{polled}", params={"wait": 10}).json()["status"] == "succeeded"
-        time.sleep(2.2)  # TTL 1 s; the sweep runs every TTL/2
-        for rid in (never_polled, polled):
-            response = http.get(f"/v1/requests/{rid}")
-            assert response.status_code == 404, response.text
-            assert "expired or worker restarted" in response.json()["error"]["message"]
-        assert http.get("/v1/health").json()["status"] == "ok"
-
-
-def test_the_client_reports_an_expired_result_as_lost(short_ttl_worker, client_cache):
+def test_unpolled_and_polled_results_expire_after_the_ttl(short_ttl_worker, client_cache):
     client = trio.ServiceClient(base_url=short_ttl_worker.base_url)
     try:
         with httpx.Client(base_url=short_ttl_worker.base_url, timeout=30) as http:
-            rid = submit_sample(http)
-        time.sleep(2.2)
+            never_polled = submit_sample(http)
+            polled = submit_sample(http)
+            assert http.get(f"/v1/requests/{polled}", params={"wait": 10}).json()["status"] == "succeeded"
+            time.sleep(2.2)  # TTL 1 s; the sweep runs every TTL/2
+            for rid in (never_polled, polled):
+                response = http.get(f"/v1/requests/{rid}")
+                assert response.status_code == 404, response.text
+                assert "expired or worker restarted" in response.json()["error"]["message"]
+            assert http.get("/v1/health").json()["status"] == "ok"
+        # the SDK reports it as lost, at once (a 404 is final: no retrying)
         started = time.monotonic()
         with pytest.raises(RequestLostError) as err:
-            client._runtime.run(client._runtime.wait_for_request(rid, "sample"))
-        assert rid in str(err.value) and "expired" in str(err.value)
-        assert time.monotonic() - started < 5  # a 404 is final: no retrying
+            client._runtime.run(client._runtime.wait_for_request(never_polled, "sample"))
+        assert never_polled in str(err.value) and "expired" in str(err.value)
+        assert time.monotonic() - started < 5
     finally:
         client.close()
 
