@@ -74,6 +74,13 @@ def _is_loopback(host: str) -> bool:
 
 
 def serve(args: argparse.Namespace) -> None:
+    keys = list(args.api_key) + [k for k in os.environ.get("PYTRIO_WORKER_API_KEYS", "").split(",") if k]
+    if not _is_loopback(args.host) and not keys and not args.insecure:
+        sys.exit(f"refusing to listen on {args.host} without --api-key: anyone on the network could train and read "
+                 "your adapters. Pass --api-key KEY, or --insecure if you really mean it.")
+    if not args.model and not args.lazy_models:
+        sys.exit("nothing to serve: pass --model NAME=PATH_OR_HF_ID (or make one with `pytrio-worker make-tiny-model`)")
+
     import torch
     import uvicorn
 
@@ -85,12 +92,6 @@ def serve(args: argparse.Namespace) -> None:
     warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    keys = list(args.api_key) + [k for k in os.environ.get("PYTRIO_WORKER_API_KEYS", "").split(",") if k]
-    if not _is_loopback(args.host) and not keys and not args.insecure:
-        sys.exit(f"refusing to listen on {args.host} without --api-key: anyone on the network could train and read "
-                 "your adapters. Pass --api-key KEY, or --insecure if you really mean it.")
-    if not args.model and not args.lazy_models:
-        sys.exit("nothing to serve: pass --model NAME=PATH_OR_HF_ID (or make one with `pytrio-worker make-tiny-model`)")
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
