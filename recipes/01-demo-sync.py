@@ -1,0 +1,143 @@
+# ruff: noqa: N999 (a demo script, named like the upstream one)
+"""GRPO on GSM8K with the synchronous client API: one prompt's group at a time.
+
+Each step: snapshot the current LoRA into a sampler, sample `group_size` completions per prompt, reward
+them by their last \\boxed{} answer, turn rewards into group-relative advantages, build right-shifted
+datums, and run one forward_backward + optim_step.
+
+    python recipes/01-demo-sync.py --steps 10 --batch-size 4 --group-size 8 --max-tokens 512 \\
+        --data-file ../shared/data/gsm8k --eval-every 5 --swanlab-mode local
+
+Tiny models on CPU: `--dataset arithmetic` (2-digit additions) is the task they can learn.
+"""
+
+import time
+
+from grpo_lib import (
+    FEWSHOT,
+    MetricsLogger,
+    StepStats,
+    batch_rows,
+    build_arg_parser,
+    build_datum,
+    completion_text,
+    eval_data_file,
+    evaluate,
+    grade,
+    group_advantages,
+    is_degenerate,
+    load_rows,
+    make_custom_cispo_loss,
+    make_service_client,
+    num_steps,
+    render_prompt,
+    resolve_log_dir,
+    sample_seed,
+    should_eval,
+    shuffle_rows,
+    stop_sequences,
+)
+from tqdm import tqdm
+
+import pytrio_compat as trio
+
+# The upstream demos set these (older PyTRIO option names); kept so the script reads the same.
+trio.configure(actor_event_wait_timeout=600, actor_event_request_timeout=600, timeout=600)
+
+
+def main(argv=None):
+    args = build_arg_parser("GRPO demo, synchronous client").parse_args(argv)
+    train_rows = shuffle_rows(load_rows(args.dataset, "train", args.data_file, seed=args.seed), args.seed)
+    eval_rows = (load_rows(args.dataset, "test", eval_data_file(args), n=args.eval_size)
+                 if args.eval_every > 0 else [])
+    total_steps = num_steps(args, len(train_rows))
+    log_dir = resolve_log_dir(args.log_dir)
+    print(f"{len(train_rows)} train rows, {total_steps} steps, logging to {log_dir}")
+
+    service_client = make_service_client(args)
+    training_client = service_client.create_lora_training_client(
+        base_model=args.base_model, rank=args.lora_rank, seed=args.seed
+    )
+    tokenizer = training_client.get_tokenizer()
+    stop = stop_sequences(tokenizer)
+    fewshot = FEWSHOT[args.dataset]  # the strawberry example for gsm8k, worked additions for arithmetic
+    adam_params = trio.AdamParams(learning_rate=args.learning_rate, beta1=args.beta1, beta2=args.beta2)
+    config = {**vars(args), "script": "sync", "num_steps": total_steps, "train_rows": len(train_rows)}
+    logger = MetricsLogger(log_dir, config, args.swanlab_mode, args.swanlab_project)
+    first_step_datums = None
+
+    for step in range(total_steps):
+        stats = StepStats()
+        rows = batch_rows(train_rows, step, args.batch_size, args.all_data)
+
+        # 1. A sampler that holds the current weights (on-policy sampling).
+        with stats.timer("time/sync"):
+            sampler = training_client.save_weights_and_get_sampling_client()
+        metrics_extra = {}
+        if should_eval(args, step):
+            with stats.timer("time/eval"):
+                metrics_extra["eval/accuracy"] = evaluate(sampler, tokenizer, eval_rows, args.max_tokens, fewshot)
+
+        # 2. Rollouts: group_size completions per prompt, one prompt after the other.
+        prompts = [render_prompt(tokenizer, row["question"], fewshot) for row in rows]
+        results = []
+        with stats.timer("time/sample"):
+            for i, prompt in enumerate(tqdm(prompts, desc=f"step {step}", unit="prompt", leave=False)):
+                params = trio.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                             top_p=args.top_p, stop=stop, seed=sample_seed(args.seed, step, i))
+                results.append(sampler.sample(prompt=trio.ModelInput.from_ints(prompt),
+                                              num_samples=args.group_size, sampling_params=params).result())
+
+        # 3. Rewards -> group-relative advantages -> datums (groups with equal rewards teach nothing).
+        datums = []
+        for prompt, row, result in zip(prompts, rows, results):
+            rewards = [grade(completion_text(tokenizer, seq), row["answer"]) for seq in result.sequences]
+            stats.add_group(rewards, result.sequences)
+            if is_degenerate(rewards):
+                continue
+            for seq, advantage in zip(result.sequences, group_advantages(rewards)):
+                if seq.tokens:
+                    datums.append(build_datum(prompt, seq.tokens, seq.logprobs, advantage))
+        if step == 0:
+            first_step_datums = datums
+
+        # 4. One update: forward_backward and optim_step submitted back to back, then awaited.
+        fb_output = optim_output = None
+        if not datums:
+            print(f"step {step}: no datums: skipping update")
+        else:
+            with stats.timer("time/train"):
+                if args.loss_fn == "cispo":
+                    cispo = make_custom_cispo_loss(args.cispo_clip_low, args.cispo_clip_high)
+                    fb = training_client.forward_backward_custom(datums, cispo)
+                else:
+                    fb = training_client.forward_backward(datums, loss_fn=args.loss_fn)
+                op = training_client.optim_step(adam_params)
+                fb_output = fb.result()
+                optim_output = op.result()
+
+        logger.log({**stats.metrics(datums, fb_output, optim_output), **metrics_extra}, step=step)
+
+    final_accuracy = None
+    if args.eval_every > 0:
+        sampler = training_client.save_weights_and_get_sampling_client()
+        final_accuracy = evaluate(sampler, tokenizer, eval_rows, args.max_tokens, fewshot)
+        logger.log({"eval/accuracy": final_accuracy}, step=total_steps)
+
+    final_path = training_client.save_weights_for_sampler(name="final").result().path
+    print(f"final sampler weights: {final_path}")
+    curves = logger.close()
+    return {
+        "history": logger.history,
+        "final_path": final_path,
+        "final_eval_accuracy": final_accuracy,
+        "first_step_datums": first_step_datums,
+        "log_dir": str(log_dir),
+        "curves": str(curves),
+    }
+
+
+if __name__ == "__main__":
+    t0 = time.time()
+    main()
+    print(f"done in {time.time() - t0:.1f}s")
