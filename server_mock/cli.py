@@ -112,8 +112,12 @@ def serve(args: argparse.Namespace) -> None:
         logging.getLogger("server_mock").warning("fault injection is ON (PYTRIO_WORKER_FAULT_INJECTION): requests "
                                                  "may ask to fail on purpose; never use this in production")
     app = create_app(service, keys)
-    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
+    # proto=IPPROTO_TCP (not 0) so that asyncio sets TCP_NODELAY on every accepted connection, and the
+    # listener has it too: otherwise Nagle holds each response body until the client's delayed ACK (~40 ms)
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM,
+                         socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.bind((args.host, args.port))
     sock.listen(2048)
     port = sock.getsockname()[1]

@@ -36,3 +36,21 @@ def test_non_loopback_bind_without_api_key_exits_with_a_reason(tiny_model_dir, t
     assert result.returncode != 0
     assert "refusing to listen on 0.0.0.0 without --api-key" in result.stderr
     assert "--insecure" in result.stderr
+
+
+def test_responses_are_not_held_back_by_nagle(worker):
+    # Without TCP_NODELAY on accepted connections each response on a kept-alive connection waited ~40 ms
+    # for the client's delayed ACK; every SDK call makes two requests.
+    import statistics
+    import time
+
+    import httpx
+
+    with httpx.Client(base_url=worker.base_url, timeout=10) as http:
+        http.get("/v1/health")
+        times = []
+        for _ in range(15):
+            started = time.perf_counter()
+            http.get("/v1/health")
+            times.append(time.perf_counter() - started)
+    assert statistics.median(times) < 0.02, times
