@@ -203,9 +203,10 @@ def run(clients: int = 8, iterations: int = 5, base_url: str | None = None, api_
 
         solo_started = time.perf_counter()
         solo = []
+        solo_latencies: dict[str, list[float]] = {name: [] for name in CALLS}
         for i in range(clients):  # the same sequences, one client at a time
             try:
-                solo.append(run_client(url, api_key, model, i, iterations, "alone", None, None))
+                solo.append(run_client(url, api_key, model, i, iterations, "alone", solo_latencies, None))
             except Exception:  # noqa: BLE001
                 errors.append(f"solo client {i}: {traceback.format_exc()}")
                 solo.append(None)
@@ -239,6 +240,7 @@ def run(clients: int = 8, iterations: int = 5, base_url: str | None = None, api_
             "concurrent_seconds": round(concurrent_seconds, 2), "solo_seconds": round(solo_seconds, 2),
             "calls_per_second_concurrent": round(calls / concurrent_seconds, 1),
             "client_latency": {name: summarize(values) for name, values in latencies.items()},
+            "solo_latency": {name: summarize(values) for name, values in solo_latencies.items()},
             "worker_queue": queue,
             "max_queue_position_seen": max(r.max_queue_position for r in recorders),
             "machine": {"cpu_cores": os.cpu_count(), "platform": platform.platform(),
@@ -255,9 +257,12 @@ def print_report(report: dict) -> None:
     print(f"\n{report['clients']} clients x {report['iterations']} iterations = {report['calls']} calls "
           f"in {report['concurrent_seconds']} s concurrently ({report['calls_per_second_concurrent']} calls/s); "
           f"solo replay {report['solo_seconds']} s")
-    print(f"{'call':40s} {'n':>5s} {'p50 ms':>9s} {'p99 ms':>9s} {'max ms':>9s}")
+    print(f"{'call (client-side latency)':40s} {'n':>5s} {'p50 ms':>9s} {'p99 ms':>9s} {'max ms':>9s}"
+          f" {'solo p50':>9s} {'solo p99':>9s}")
     for name, s in report["client_latency"].items():
-        print(f"{name:40s} {s['count']:5d} {s['p50_ms']:9.1f} {s['p99_ms']:9.1f} {s['max_ms'] or 0:9.1f}")
+        alone = report["solo_latency"][name]
+        print(f"{name:40s} {s['count']:5d} {s['p50_ms']:9.1f} {s['p99_ms']:9.1f} {s['max_ms'] or 0:9.1f}"
+              f" {alone['p50_ms']:9.1f} {alone['p99_ms']:9.1f}")
     print(f"\n{'worker request kind':28s} {'n':>5s} {'queue p50':>10s} {'queue p99':>10s} {'run p50':>9s} "
           f"{'run p99':>9s}  (ms)")
     for kind, q in report["worker_queue"].items():

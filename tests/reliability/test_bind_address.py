@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import statistics
 import subprocess
 import sys
+import time
 
+import httpx
 import pytest
 
 from server_mock.cli import _is_loopback, build_parser
@@ -41,11 +44,6 @@ def test_non_loopback_bind_without_api_key_exits_with_a_reason(tiny_model_dir, t
 def test_responses_are_not_held_back_by_nagle(worker):
     # Without TCP_NODELAY on accepted connections each response on a kept-alive connection waited ~40 ms
     # for the client's delayed ACK; every SDK call makes two requests.
-    import statistics
-    import time
-
-    import httpx
-
     with httpx.Client(base_url=worker.base_url, timeout=10) as http:
         http.get("/v1/health")
         times = []
