@@ -30,6 +30,7 @@ from pytrio_compat.wire import (
 
 from .errors import WorkerError
 from .service import WorkerService
+from .tinker_api import tinker_routes
 
 logger = logging.getLogger("server_mock")
 MAX_POLL_SECONDS = 60.0
@@ -205,6 +206,7 @@ def create_app(service: WorkerService, api_keys: list[str] | None = None) -> Sta
         Route("/v1/samplers/{sampler_id}/sample", endpoint(sample, SampleRequest), methods=["POST"]),
         Route("/v1/requests/{request_id}", endpoint(get_request), methods=["GET"]),
     ]
+    routes += tinker_routes(service, auth)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
