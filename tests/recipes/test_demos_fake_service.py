@@ -84,7 +84,7 @@ def test_demo_step_logic(script, tmp_path, fake_service, load_demo, tiny_tokeniz
 def test_first_step_datums_rebuilt_independently(script, tmp_path, fake_service, load_demo, tiny_tokenizer):
     summary = load_demo(script).main(demo_args(tmp_path))
     # Re-sample step 0 through the fake sampler and build the datums by hand from the library pieces.
-    from conftest import FakeSampler
+    from recipe_fakes import FakeSampler
 
     import pytrio_compat as trio
 
@@ -161,7 +161,7 @@ def test_evaluation_every_step_and_at_the_end(script, tmp_path, fake_service, lo
 def test_evaluate_sync_and_async_agree(fake_service, tiny_tokenizer):
     import asyncio
 
-    from conftest import FakeSampler
+    from recipe_fakes import FakeSampler
 
     from recipes.grpo_lib import evaluate, evaluate_async
 

@@ -1,0 +1,153 @@
+"""A fake service for running the demos in-process: answers like the PyTRIO clients (futures, async
+twins, SampleResponse, ForwardBackwardOutput) without a worker, so each step's logic can be checked exactly."""
+
+from __future__ import annotations
+
+import random
+import re
+
+from pytrio_compat.types import (
+    APIFuture,
+    ForwardBackwardOutput,
+    OptimStepResponse,
+    SampleResponse,
+    SampleSequence,
+    SaveWeightsForSamplerResponse,
+    TensorData,
+)
+
+QUESTION = re.compile(r"What is (\d+) \+ (\d+)\?")
+
+
+class FakeSampler:
+    """Answers "What is a + b?" prompts. Sampling (temperature > 0) is a seeded coin flip per sequence
+    between the right and a wrong boxed sum, sometimes cut short (stop_reason "length", box unclosed);
+    greedy answers right exactly when a + b is even."""
+
+    def __init__(self, service: FakeService) -> None:
+        self.service = service
+
+    def _respond(self, prompt, num_samples, sampling_params) -> SampleResponse:
+        tok = self.service.tokenizer
+        self.service.sample_calls.append({"num_samples": num_samples, "params": sampling_params,
+                                          "prompt": list(prompt.to_ints())})
+        text = tok.decode(prompt.to_ints())
+        matches = QUESTION.findall(text)
+        a, b = (int(x) for x in matches[-1]) if matches else (0, 0)
+        rng = random.Random(sampling_params.seed)
+        seqs = []
+        for _ in range(num_samples):
+            if sampling_params.temperature == 0:
+                right = (a + b) % 2 == 0
+            else:
+                right = rng.random() < self.service.p_right
+            answer = a + b if right else a + b + 1
+            body = f"{a} + {b} = {answer}. \\boxed{{{answer}}}"
+            tokens = tok.encode(body, add_special_tokens=False)
+            truncated = rng.random() < self.service.p_truncate and sampling_params.temperature != 0
+            if truncated:
+                tokens = tokens[:-1]
+            else:
+                tokens = tokens + [tok.convert_tokens_to_ids("<|im_end|>")]
+            logprobs = [-round(rng.uniform(0.01, 2.0), 4) for _ in tokens]
+            seqs.append(SampleSequence(stop_reason="length" if truncated else "stop", tokens=tokens,
+                                       logprobs=logprobs, text=tok.decode(tokens, skip_special_tokens=True)))
+        return SampleResponse(sequences=seqs)
+
+    def sample(self, prompt, num_samples=1, sampling_params=None, **kwargs):
+        return APIFuture.completed(self._respond(prompt, num_samples, sampling_params))
+
+    async def sample_async(self, prompt, num_samples=1, sampling_params=None, **kwargs):
+        return self._respond(prompt, num_samples, sampling_params)
+
+    def get_tokenizer(self):
+        return self.service.tokenizer
+
+
+class FakeTrainingClient:
+    def __init__(self, service: FakeService) -> None:
+        self.service = service
+
+    def get_tokenizer(self):
+        return self.service.tokenizer
+
+    def save_weights_and_get_sampling_client(self):
+        self.service.snapshots += 1
+        return FakeSampler(self.service)
+
+    async def save_weights_and_get_sampling_client_async(self):
+        return self.save_weights_and_get_sampling_client()
+
+    def _fb_output(self, datums) -> ForwardBackwardOutput:
+        # The "learner" sees every sampled logprob 0.01 lower than the sampler did.
+        outputs = [{"logprobs": TensorData(data=[x - 0.01 for x in d.loss_fn_inputs["logprobs"].data],
+                                           dtype="float32")} for d in datums]
+        return ForwardBackwardOutput(loss_fn_outputs=outputs,
+                                     metrics={"loss_sum": -1.5, "loss_mean": -0.25, "token_count": 6.0})
+
+    def forward_backward(self, datums, loss_fn="cross_entropy", loss_fn_config=None, auto_shift=False):
+        self.service.calls.append(("forward_backward", loss_fn, len(datums)))
+        return APIFuture.completed(self._fb_output(datums))
+
+    def forward_backward_custom(self, datums, loss_fn, loss_fn_config=None):
+        import torch
+
+        self.service.calls.append(("forward_backward_custom", None, len(datums)))
+        lps = [torch.tensor(d.loss_fn_inputs["logprobs"].data, dtype=torch.float32, requires_grad=True)
+               for d in datums]
+        loss, custom = loss_fn(datums, lps)
+        loss.backward()
+        out = self._fb_output(datums)
+        out.metrics.update(custom)
+        return APIFuture.completed(out)
+
+    def optim_step(self, adam_params):
+        self.service.calls.append(("optim_step", adam_params.learning_rate, None))
+        return APIFuture.completed(OptimStepResponse(metrics={"grad_norm": 0.5}))
+
+    def save_weights_for_sampler(self, name, ttl_seconds=None):
+        self.service.calls.append(("save_weights_for_sampler", name, None))
+        return APIFuture.completed(SaveWeightsForSamplerResponse(path=f"trio://fake/{name}", model="fake", size=0))
+
+    async def forward_backward_async(self, *a, **k):
+        return self.forward_backward(*a, **k)
+
+    async def forward_backward_custom_async(self, *a, **k):
+        return self.forward_backward_custom(*a, **k)
+
+    async def optim_step_async(self, *a, **k):
+        return self.optim_step(*a, **k)
+
+    async def save_weights_for_sampler_async(self, *a, **k):
+        return self.save_weights_for_sampler(*a, **k)
+
+
+class FakeService:
+    """State shared by the fake clients of one test."""
+
+    def __init__(self, tokenizer, p_right: float = 0.5, p_truncate: float = 0.25) -> None:
+        self.tokenizer = tokenizer
+        self.p_right = p_right
+        self.p_truncate = p_truncate
+        self.calls: list[tuple] = []
+        self.sample_calls: list[dict] = []
+        self.snapshots = 0
+        self.service_kwargs: dict | None = None
+        self.training_kwargs: dict | None = None
+        self.configure_kwargs: dict | None = None
+
+    def service_client_class(self):
+        service = self
+
+        class FakeServiceClient:
+            def __init__(self, **kwargs):
+                service.service_kwargs = kwargs
+
+            def create_lora_training_client(self, **kwargs):
+                service.training_kwargs = kwargs
+                return FakeTrainingClient(service)
+
+            async def create_lora_training_client_async(self, **kwargs):
+                return self.create_lora_training_client(**kwargs)
+
+        return FakeServiceClient
