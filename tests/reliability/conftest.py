@@ -10,7 +10,7 @@ import pytest
 from pytrio_compat import config
 from support import WorkerProcess
 
-from reliability_helpers import KEY_A, KEY_B
+from .reliability_helpers import KEY_A, KEY_B
 
 
 @pytest.fixture()

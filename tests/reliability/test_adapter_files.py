@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import pytrio_compat as trio
-from reliability_helpers import KEY_A, datum
+from .reliability_helpers import KEY_A, datum
 
 REPO = Path(__file__).resolve().parents[2]
 

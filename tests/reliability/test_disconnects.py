@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from reliability_helpers import KEY_A, datum_wire
+from .reliability_helpers import KEY_A, datum_wire
 
 AUTH = {"Authorization": f"Bearer {KEY_A}"}
 

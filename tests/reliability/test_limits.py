@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 import pytrio_compat as trio
-from reliability_helpers import KEY_A, KEY_B, datum, datum_wire
+from .reliability_helpers import KEY_A, KEY_B, datum, datum_wire
 from support import WorkerProcess
 
 LIMITS = ["--max-body-bytes", "4000", "--max-tokens-per-request", "64", "--max-num-samples", "2",

@@ -10,7 +10,7 @@ import pytest
 import pytrio_compat as trio
 from pytrio_compat import config
 from pytrio_compat.errors import ConnectionFailedError, RequestLostError
-from reliability_helpers import datum
+from .reliability_helpers import datum
 from support import WorkerProcess
 
 SLOW = {"fault_injection": {"delay_seconds": 30}}  # keeps a request in flight while the worker dies
