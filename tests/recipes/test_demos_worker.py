@@ -11,11 +11,19 @@ from pathlib import Path
 import pytest
 
 
+FIXTURE = str(Path(__file__).resolve().parent / "fixtures" / "gsm8k_tiny.jsonl")
+
+
 @pytest.mark.parametrize(
-    "script, loss_fn",
-    [("01-demo-sync.py", "importance_sampling"), ("02-demo-async.py", "ppo"), ("02-demo-async.py", "cispo")],
+    "script, loss_fn, data",
+    [("01-demo-sync.py", "importance_sampling", ["--dataset", "arithmetic"]),
+     ("02-demo-async.py", "ppo", ["--dataset", "arithmetic"]),
+     ("02-demo-async.py", "cispo", ["--dataset", "arithmetic"]),
+     ("01-demo-sync.py", "importance_sampling", ["--dataset", "gsm8k", "--data-file", FIXTURE, "--test-file", FIXTURE]),
+     ("02-demo-async.py", "importance_sampling", ["--dataset", "gsm8k", "--data-file", FIXTURE,
+                                                 "--test-file", FIXTURE])],
 )
-def test_demo_trains_against_worker(script, loss_fn, worker, load_demo, tmp_path, monkeypatch):
+def test_demo_trains_against_worker(script, loss_fn, data, worker, load_demo, tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "recipes"))
     demo = load_demo(script)
     calls = []
@@ -26,7 +34,7 @@ def test_demo_trains_against_worker(script, loss_fn, worker, load_demo, tmp_path
 
     monkeypatch.setattr(demo, "grade", alternating_reward)
     summary = demo.main([
-        "--base-url", worker.base_url, "--base-model", "tiny", "--dataset", "arithmetic", "--steps", "2",
+        "--base-url", worker.base_url, "--base-model", "tiny", *data, "--steps", "2",
         "--batch-size", "2", "--group-size", "4", "--max-tokens", "6", "--lora-rank", "8",
         "--learning-rate", "1e-3", "--loss-fn", loss_fn, "--seed", "3", "--log-dir", str(tmp_path / "run"),
         "--eval-every", "2", "--eval-size", "2",
