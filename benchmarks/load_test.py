@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-import pytrio_compat as trio  # noqa: E402
+import pytrio_compat as trio
 
 CALLS = ("save_weights_and_get_sampling_client", "sample", "forward_backward", "optim_step")
 
@@ -83,9 +83,9 @@ def run_client(base_url: str, api_key: str, model: str, index: int, iterations: 
     try:
         tc = client.create_lora_training_client(model, rank=8, seed=1000 + index)
 
-        def timed(name: str, fn):
+        def timed(name: str, fn, *args):
             start = time.perf_counter()
-            value = fn()
+            value = fn(*args)
             if latencies is not None:
                 latencies[name].append(time.perf_counter() - start)
             return value
@@ -94,8 +94,8 @@ def run_client(base_url: str, api_key: str, model: str, index: int, iterations: 
             prompt = prompt_for(index, it)
             sampler = timed("save_weights_and_get_sampling_client", tc.save_weights_and_get_sampling_client)
             params = trio.SamplingParams(max_tokens=8, temperature=1.0, seed=index * 1000 + it, stop=[])
-            response = timed("sample", lambda: sampler.sample(trio.ModelInput.from_ints(prompt), num_samples=2,
-                                                              sampling_params=params).result())
+            response = timed("sample", lambda s, p, sp: s.sample(trio.ModelInput.from_ints(p), num_samples=2,
+                                                                 sampling_params=sp).result(), sampler, prompt, params)
             seqs = [(list(s.tokens), list(s.logprobs)) for s in response.sequences]
             sampled.append([tokens for tokens, _ in seqs])
             rewards = [float(np.mean([t % 2 == 0 for t in tokens])) for tokens, _ in seqs]
@@ -109,7 +109,7 @@ def run_client(base_url: str, api_key: str, model: str, index: int, iterations: 
                     loss_fn_inputs={"target_tokens": full[1:],
                                     "logprobs": [0.0] * skip + logprobs,
                                     "advantages": [0.0] * skip + [reward - baseline] * len(tokens)}))
-            timed("forward_backward", lambda: tc.forward_backward(data, "importance_sampling").result())
+            timed("forward_backward", lambda d: tc.forward_backward(d, "importance_sampling").result(), data)
             timed("optim_step", lambda: tc.optim_step(trio.AdamParams(learning_rate=1e-2)).result())
         path = tc.save_state(f"load-{tag}-{index}").result().path
         return {"sampled": sampled, "state": path, "run": tc.training_run_id}
@@ -148,7 +148,7 @@ class LocalWorker:
         cmd = [sys.executable, "-m", "server_mock", "serve", "--model", f"tiny={model}", "--host", "127.0.0.1",
                "--port", "0", "--port-file", str(port_file), "--storage", str(self.storage),
                "--log-level", "WARNING"] + (["--threads", str(threads)] if threads else [])
-        self.log = open(self.dir / "worker.log", "wb")
+        self.log = open(self.dir / "worker.log", "wb")  # noqa: SIM115 - held open for the worker's lifetime
         self.process = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 120
         while not (port_file.exists() and port_file.read_text().strip()):

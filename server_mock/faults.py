@@ -18,7 +18,8 @@ import contextlib
 import math
 import os
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 

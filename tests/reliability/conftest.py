@@ -6,9 +6,9 @@ import os
 from pathlib import Path
 
 import pytest
+from support import WorkerProcess
 
 from pytrio_compat import config
-from support import WorkerProcess
 
 from .reliability_helpers import KEY_A, KEY_B
 
@@ -16,9 +16,9 @@ from .reliability_helpers import KEY_A, KEY_B
 @pytest.fixture()
 def fast_retries(monkeypatch):
     """Short client retry windows for this test only (ServiceClient snapshots the config when created)."""
-    for name, value in dict(retry_initial_delay_seconds=0.05, retry_max_delay_seconds=0.3,
-                            training_retry_timeout_seconds=30, sampling_retry_timeout_seconds=30,
-                            control_retry_timeout_seconds=30, actor_event_polling_timeout_seconds=5).items():
+    for name, value in {"retry_initial_delay_seconds": 0.05, "retry_max_delay_seconds": 0.3,
+                        "training_retry_timeout_seconds": 30, "sampling_retry_timeout_seconds": 30,
+                        "control_retry_timeout_seconds": 30, "actor_event_polling_timeout_seconds": 5}.items():
         monkeypatch.setattr(config._CONFIG, name, value)
 
 

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import pytrio_compat as trio
+
 from .reliability_helpers import KEY_A, datum
 
 REPO = Path(__file__).resolve().parents[2]
@@ -84,10 +85,9 @@ def test_planted_pickles_in_a_checkpoint_are_never_read(special_worker, client, 
 
 
 def make_peft_adapter(model_dir: Path, folder: Path, **config) -> Path:
+    import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
-
-    import torch
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir)

@@ -10,10 +10,11 @@ import time
 
 import httpx
 import pytest
+from support import WorkerProcess
 
 import pytrio_compat as trio
+
 from .reliability_helpers import KEY_A, KEY_B, datum, datum_wire
-from support import WorkerProcess
 
 LIMITS = ["--max-body-bytes", "4000", "--max-tokens-per-request", "64", "--max-num-samples", "2",
           "--max-training-runs", "2", "--max-adapters", "3", "--max-queued-requests", "2"]

@@ -6,11 +6,11 @@ import time
 
 import httpx
 import pytest
+from support import WorkerProcess
 
 import pytrio_compat as trio
 from pytrio_compat.errors import RequestLostError
 from server_mock.engine import Job, RequestStore
-from support import WorkerProcess
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +52,8 @@ def test_unpolled_and_polled_results_expire_after_the_ttl(short_ttl_worker, clie
 
 def test_the_sweep_forgets_finished_requests_only():
     store = RequestStore(result_ttl=0.05)
-    finished = Job("req-done", "sample", lambda: {}, finished=time.monotonic() - 1)
-    running = Job("req-running", "sample", lambda: {}, status="running")
+    finished = Job("req-done", "sample", dict, finished=time.monotonic() - 1)
+    running = Job("req-running", "sample", dict, status="running")
     store._jobs.update({finished.request_id: finished, running.request_id: running})
     assert store.sweep() == 1
     assert store.get("req-done") is None and store.get("req-running") is running

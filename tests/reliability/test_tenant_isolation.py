@@ -8,6 +8,7 @@ import httpx
 import pytest
 
 import pytrio_compat as trio
+
 from .reliability_helpers import KEY_A, KEY_B, datum, datum_wire
 
 

@@ -13,6 +13,7 @@ import pytest
 
 import pytrio_compat as trio
 from pytrio_compat.errors import EventFailedError
+
 from .reliability_helpers import KEY_A, KEY_B, datum, saved_state
 
 ADAM = trio.AdamParams(learning_rate=1e-2, weight_decay=0.01)

@@ -6,12 +6,13 @@ from __future__ import annotations
 import time
 
 import pytest
+from support import WorkerProcess
 
 import pytrio_compat as trio
 from pytrio_compat import config
 from pytrio_compat.errors import ConnectionFailedError, RequestLostError
+
 from .reliability_helpers import datum
-from support import WorkerProcess
 
 SLOW = {"fault_injection": {"delay_seconds": 30}}  # keeps a request in flight while the worker dies
 
