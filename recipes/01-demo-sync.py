@@ -92,7 +92,7 @@ def main(argv=None):
         datums = []
         for prompt, row, result in zip(prompts, rows, results):
             rewards = [grade(completion_text(tokenizer, seq), row["answer"]) for seq in result.sequences]
-            stats.add_group(rewards, result.sequences)
+            stats.add_group(rewards, result.sequences, result.metrics)
             if is_degenerate(rewards):
                 continue
             for seq, advantage in zip(result.sequences, group_advantages(rewards)):

@@ -525,8 +525,16 @@ class StepStats:
         finally:
             self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
 
-    def add_group(self, rewards: Sequence[float], sequences: Sequence[Any]) -> None:
-        """Record one prompt's rewards and its sampled sequences (`tokens`, `stop_reason`)."""
+    def add_group(self, rewards: Sequence[float], sequences: Sequence[Any],
+                  worker_metrics: dict[str, float] | None = None) -> None:
+        """Record one prompt's rewards, its sampled sequences (`tokens`, `stop_reason`) and the worker's
+        timings for the request (a batch's time is shared by the requests decoded in it)."""
+        metrics = worker_metrics or {}
+        share = 1.0 / max(1.0, float(metrics.get("batch_requests", 1.0)))
+        for key, name in (("time/queue", "worker/queue"), ("time/prefill", "worker/prefill"),
+                          ("time/decode", "worker/decode")):
+            if key in metrics:
+                self.times[name] = self.times.get(name, 0.0) + float(metrics[key]) * share
         self.rewards.extend(float(r) for r in rewards)
         self.gen_lens.extend(len(s.tokens) for s in sequences)
         self.n_truncated += sum(1 for s in sequences if getattr(s, "stop_reason", None) == "length")
@@ -554,6 +562,11 @@ class StepStats:
             kl = kl_sample_train(datums, fb_output)
             if kl is not None:
                 out["kl_sample_train"] = kl
+        for output, name in ((fb_output, "worker/forward_backward"), (optim_output, "worker/optim")):
+            worker = dict(getattr(output, "metrics", {}) or {}) if output is not None else {}
+            if "time/run" in worker:
+                self.times[name] = float(worker["time/run"])
+                self.times["worker/queue"] = self.times.get("worker/queue", 0.0) + float(worker.get("time/queue", 0))
         if optim_output is not None:
             for key in ("grad_norm", "optim/grad_norm", "gradient_norm"):
                 value = (getattr(optim_output, "metrics", {}) or {}).get(key)
@@ -564,6 +577,11 @@ class StepStats:
             out[key] = self.times.get(key, 0.0)
         out.update({k: v for k, v in self.times.items() if k not in out})
         out["time/step"] = time.perf_counter() - self.started
+        worker_busy = sum(v for k, v in self.times.items() if k.startswith("worker/") and k != "worker/queue")
+        if worker_busy:
+            # what the worker did not account for: HTTP, encoding, polling and this script's own work
+            out["time/client_and_transport"] = max(0.0, out["time/step"] - worker_busy
+                                                   - self.times.get("worker/queue", 0.0) - out["time/sync"])
         return out
 
 

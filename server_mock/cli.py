@@ -56,6 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
                             "(create_sampling_client(model_path=...)); repeatable")
     serve.add_argument("--max-snapshots", type=int, default=16,
                        help="in-memory sampler snapshots kept (save_weights_and_get_sampling_client)")
+    serve.add_argument("--micro-batch-tokens", type=int, default=2048,
+                       help="padded tokens per forward/backward pass (bounds activation and logit memory)")
+    serve.add_argument("--autocast", default="off", choices=["off", "bf16"],
+                       help="bf16 autocast in forward/backward (faster; trainer logprobs then differ from the "
+                            "float32 sampler's by ~1e-2)")
+    serve.add_argument("--activation-checkpointing", action="store_true",
+                       help="recompute activations in backward: less memory, ~30%% more time")
     serve.add_argument("--log-level", default="INFO")
     tiny = sub.add_parser("make-tiny-model", help="write a random tiny causal LM + tokenizer for smoke tests")
     tiny.add_argument("directory")
@@ -87,6 +94,7 @@ def serve(args: argparse.Namespace) -> None:
     from .app import create_app
     from .model_loading import resolve_device, resolve_dtype
     from .service import Limits, WorkerService
+    from .training import TrainOptions
 
     # Known, harmless library notices that would otherwise repeat on every adapter
     warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")
@@ -107,7 +115,10 @@ def serve(args: argparse.Namespace) -> None:
         sys.exit("--result-ttl must be positive")
     service = WorkerService(dict(args.model), args.storage, device, resolve_dtype(args.dtype, device),
                             lazy_models=args.lazy_models, limits=limits, result_ttl=args.result_ttl,
-                            allow_adapter_dirs=args.allow_adapter_dir)
+                            allow_adapter_dirs=args.allow_adapter_dir,
+                            train_options=TrainOptions(micro_batch_tokens=args.micro_batch_tokens,
+                                                       autocast_bf16=args.autocast == "bf16",
+                                                       activation_checkpointing=args.activation_checkpointing))
     if service.fault_injection:
         logging.getLogger("server_mock").warning("fault injection is ON (PYTRIO_WORKER_FAULT_INJECTION): requests "
                                                  "may ask to fail on purpose; never use this in production")

@@ -150,9 +150,13 @@ class ModelQueue:
                                               f"{type(exc).__name__}: {exc}"))
 
     def _finish(self, job: Job, result: dict | None = None, error: ErrorBody | None = None) -> None:
+        job.finished = time.monotonic()
+        if result is not None and isinstance(result.get("metrics"), dict):
+            # where the time went, per request: waiting for the model, then running on it
+            result["metrics"]["time/queue"] = (job.started or job.finished) - job.created
+            result["metrics"]["time/run"] = job.finished - (job.started or job.finished)
         job.result, job.error = result, error
         job.status = "failed" if error is not None else "succeeded"
-        job.finished = time.monotonic()
         job.fn, job.payload, job.batch_fn = _done, None, None  # drop references to request tensors
         if job.done is not None:
             self.loop.call_soon_threadsafe(job.done.set)

@@ -10,6 +10,7 @@ from ``(seed, r)``.
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -163,8 +164,10 @@ def _stop_string_hit(tokenizer, completion: list[int], stop_strings: list[str], 
     return any(s in text for s in stop_strings)
 
 
-def generate(model, spec: SampleSpec, tokenizer=None) -> SampleResult:
-    """Sample ``spec.num_samples`` completions of ``spec.prompt_tokens`` with a KV cache, exact logprobs."""
+def generate(model, spec: SampleSpec, tokenizer=None, timings: dict[str, float] | None = None) -> SampleResult:
+    """Sample ``spec.num_samples`` completions of ``spec.prompt_tokens`` with a KV cache, exact logprobs.
+
+    ``timings``, if given, receives the seconds spent in ``prefill`` and ``decode``."""
     if not spec.prompt_tokens:
         raise ValueError("prompt_tokens must not be empty")
     if spec.num_samples < 1:
@@ -205,8 +208,10 @@ def generate(model, spec: SampleSpec, tokenizer=None) -> SampleResult:
     reasons: list[str] = ["length"] * n
     prompt_lps = topk_lps = None
 
+    started = time.perf_counter()
     with torch.no_grad(), _EvalMode(model):
         logits, cache = _forward(model, prompt[None, :], None, logits_to_keep=0 if want_prompt else 1)
+        prefilled = time.perf_counter()
         if want_prompt:
             prompt_lps, topk_lps = _prompt_logprobs(
                 logits[0], prompt, spec.include_prompt_logprobs, spec.topk_prompt_logprobs
@@ -258,13 +263,17 @@ def generate(model, spec: SampleSpec, tokenizer=None) -> SampleResult:
             step_logits = logits[:, -1, :].float()
             del logits
 
+    if timings is not None:
+        timings["prefill"] = timings.get("prefill", 0.0) + prefilled - started
+        timings["decode"] = timings.get("decode", 0.0) + time.perf_counter() - prefilled
     sequences = [
         SampledSequence(tokens=tokens[r], logprobs=logprobs[r], stop_reason=reasons[r]) for r in range(n)
     ]
     return SampleResult(sequences=sequences, prompt_logprobs=prompt_lps, topk_prompt_logprobs=topk_lps)
 
 
-def generate_batch(model, specs: list[SampleSpec], tokenizer=None) -> list[SampleResult]:
+def generate_batch(model, specs: list[SampleSpec], tokenizer=None,
+                   timings: dict[str, float] | None = None) -> list[SampleResult]:
     """Decode several sample requests as one batch (the async recipe's concurrent prompts).
 
     Each prompt is prefilled once; the caches are left-padded to a common length and merged, with an
@@ -273,7 +282,7 @@ def generate_batch(model, specs: list[SampleSpec], tokenizer=None) -> list[Sampl
     the same tokens whether it ran alone or batched with others.
     """
     if len(specs) == 1 or any(s.max_tokens < 1 for s in specs):
-        return [generate(model, s, tokenizer) for s in specs]
+        return [generate(model, s, tokenizer, timings) for s in specs]
     for spec in specs:
         if not spec.prompt_tokens or spec.num_samples < 1 or spec.temperature < 0 or not 0 < spec.top_p <= 1:
             raise ValueError("invalid sample spec in batch")
@@ -300,6 +309,7 @@ def generate_batch(model, specs: list[SampleSpec], tokenizer=None) -> list[Sampl
     reasons = ["length"] * len(owner)
     prompt_info: list[tuple] = []
 
+    started = time.perf_counter()
     with torch.no_grad(), _EvalMode(model):
         caches, first_logits = [], []
         for spec in specs:
@@ -311,6 +321,7 @@ def generate_batch(model, specs: list[SampleSpec], tokenizer=None) -> list[Sampl
             first_logits.append(logits[:, -1, :].float())
             caches.append(cache)
             del logits
+        prefilled = time.perf_counter()
         lengths = [len(s.prompt_tokens) for s in specs]
         longest = max(lengths)
         cache = caches[0]
@@ -372,6 +383,9 @@ def generate_batch(model, specs: list[SampleSpec], tokenizer=None) -> list[Sampl
             step_logits = out.logits[:, -1, :].float()
             positions = positions + 1
 
+    if timings is not None:
+        timings["prefill"] = timings.get("prefill", 0.0) + prefilled - started
+        timings["decode"] = timings.get("decode", 0.0) + time.perf_counter() - prefilled
     results = []
     for i, spec in enumerate(specs):
         rows = [r for r in range(len(owner)) if owner[r] == i]

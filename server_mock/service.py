@@ -46,7 +46,7 @@ from .engine import ModelQueue, RequestStore, run_id
 from .errors import WorkerError, bad_request, not_found
 from .sampling import SampleSpec, generate_batch
 from .storage import CheckpointRef, CheckpointStore, check_name, parse_path
-from .training import Adapter, ModelHost, Snapshot
+from .training import Adapter, ModelHost, Snapshot, TrainOptions
 
 logger = logging.getLogger("server_mock")
 
@@ -90,7 +90,9 @@ class Sampler:
 class WorkerService:
     def __init__(self, models: dict[str, str], storage: str | Path, device: str, dtype: torch.dtype,
                  lazy_models: bool = False, limits: Limits | None = None, result_ttl: float = 3600.0,
-                 allow_adapter_dirs: list[str] | None = None, fault_injection: bool | None = None) -> None:
+                 allow_adapter_dirs: list[str] | None = None, fault_injection: bool | None = None,
+                 train_options: TrainOptions | None = None) -> None:
+        self.train_options = train_options or TrainOptions()
         self.model_sources = dict(models)
         # local PEFT adapter folders may be sampled from only inside these (real paths, symlinks resolved)
         self.allow_adapter_dirs = [os.path.realpath(d) for d in (allow_adapter_dirs or [])]
@@ -134,7 +136,7 @@ class WorkerService:
                 logger.info("loading model %s from %s", name, source)
                 try:
                     host = await asyncio.to_thread(ModelHost, name, source, self.device, self.dtype,
-                                                   self.limits.max_seq_len)
+                                                   self.limits.max_seq_len, self.train_options)
                 except Exception as exc:  # noqa: BLE001 - report why the model could not load
                     raise WorkerError(404 if self.lazy_models else 500, "model_load_failed",
                                       f"{field_name}: could not load model {name!r}: {exc}", field_name) from exc
@@ -575,10 +577,11 @@ class WorkerService:
     @staticmethod
     def _sample_batch(host: ModelHost, snapshot: Snapshot | None, payloads: list[tuple[SampleSpec, bool]]) -> list[dict]:
         """Run one or more sample requests for the same weights as one decoding batch."""
-        model = host.sampling_model(snapshot)
         started = time.perf_counter()
-        results = generate_batch(model, [spec for spec, _ in payloads], host.tokenizer)
-        elapsed = time.perf_counter() - started
+        model = host.sampling_model(snapshot)
+        loaded = time.perf_counter()
+        timings: dict[str, float] = {}
+        results = generate_batch(model, [spec for spec, _ in payloads], host.tokenizer, timings)
         out = []
         for (spec, return_text), result in zip(payloads, results):
             sequences = [
@@ -592,7 +595,8 @@ class WorkerService:
                 "topk_prompt_logprobs": result.topk_prompt_logprobs or [],
                 "input_tokens": len(spec.prompt_tokens),
                 "output_tokens": sum(len(s.tokens) for s in result.sequences),
-                "metrics": {"batch_requests": float(len(payloads)), "time/generate": elapsed},
+                "metrics": {"batch_requests": float(len(payloads)), "time/load_weights": loaded - started,
+                            "time/prefill": timings.get("prefill", 0.0), "time/decode": timings.get("decode", 0.0)},
             })
         return out
 

@@ -1,0 +1,57 @@
+"""Shared benchmark plumbing: the model, a few-shot prompt like the demo's, timing and reporting."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
+RESULTS = Path(__file__).resolve().parent / "results"
+
+FEW_SHOT = [
+    ("What is 23 + 45?", "23 + 45 = 68. The final answer is \\boxed{68}."),
+    ("What is 17 + 38?", "17 + 38 = 55. The final answer is \\boxed{55}."),
+]
+
+
+def few_shot_prompt(tokenizer, question: str = "What is 36 + 47?") -> list[int]:
+    """A chat prompt of ~175 tokens: the model's default system turn, two worked examples, a question."""
+    messages = []
+    for q, a in FEW_SHOT:
+        messages += [{"role": "user", "content": q + " Put the final answer in \\boxed{}."},
+                     {"role": "assistant", "content": a}]
+    messages.append({"role": "user", "content": question + " Put the final answer in \\boxed{}."})
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def machine() -> dict:
+    import torch
+
+    return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+            "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+
+
+@contextmanager
+def timer(store: list[float]):
+    start = time.perf_counter()
+    yield
+    store.append(time.perf_counter() - start)
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def save(name: str, payload: dict) -> Path:
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps({**payload, "machine": machine()}, indent=1))
+    print(json.dumps(payload, indent=1))
+    return path

@@ -1,0 +1,140 @@
+"""The same GRPO configuration run with TRL's GRPOTrainer and with our async recipe against the worker.
+
+Same model (SmolLM2-135M-Instruct), data (few-shot two-digit addition), group size, prompts per step,
+completion length, learning rate, LoRA rank and targets; one optimizer step per batch, no KL term, rewards
+minus the group mean (TRL: ``scale_rewards="none"``). Reports the median step time of each and plots both
+reward curves in one figure.
+
+    pip install trl   # not a dependency of the project
+    python benchmarks/grpo_vs_trl.py [--steps 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "recipes"))
+from benchmarks.common import RESULTS, SMOLLM2, median, save  # noqa: E402
+
+
+def run_trl(args, rows) -> dict:
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from grpo_lib import FEWSHOT, build_messages, grade
+    from server_mock.model_loading import resolve_source
+    from server_mock.training import LORA_ALPHA, linear_groups
+
+    source = resolve_source(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    dataset = Dataset.from_list([{"prompt": build_messages(r["question"], FEWSHOT["arithmetic"]),
+                                  "answer": r["answer"]} for r in rows])
+
+    def reward(completions, answer, **_):
+        return [grade(c[0]["content"] if isinstance(c, list) else c, a) for c, a in zip(completions, answer)]
+
+    class StepTimes(TrainerCallback):
+        def __init__(self):
+            self.times, self.rewards, self._t = [], [], None
+
+        def on_step_begin(self, *a, **k):
+            self._t = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            self.times.append(time.perf_counter() - self._t)
+
+        def on_log(self, _args, _state, _control, logs=None, **k):
+            if logs and "reward" in logs:
+                self.rewards.append(float(logs["reward"]))
+
+    timing = StepTimes()
+    config = GRPOConfig(
+        output_dir=str(RESULTS / "trl-run"), use_cpu=True, bf16=False, max_steps=args.steps, logging_steps=1,
+        report_to="none", learning_rate=args.learning_rate, per_device_train_batch_size=args.batch * args.group,
+        num_generations=args.group, max_completion_length=args.max_tokens, temperature=1.0, top_p=1.0, top_k=0,
+        beta=0.0, num_iterations=1, scale_rewards="none", loss_type="grpo", gradient_accumulation_steps=1,
+        seed=args.seed, save_strategy="no", shuffle_dataset=True,
+    )
+    peft_config = LoraConfig(r=args.rank, lora_alpha=LORA_ALPHA, target_modules=list(linear_groups(model)))
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
+                          processing_class=tokenizer, peft_config=peft_config, callbacks=[timing])
+    trainer.train()
+    return {"step_s": timing.times, "reward": timing.rewards}
+
+
+def run_ours(args) -> dict:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("demo_async", ROOT / "recipes" / "02-demo-async.py")
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    summary = demo.main([
+        "--base-model", args.model, "--dataset", "arithmetic", "--steps", str(args.steps),
+        "--batch-size", str(args.batch), "--group-size", str(args.group), "--max-tokens", str(args.max_tokens),
+        "--learning-rate", str(args.learning_rate), "--lora-rank", str(args.rank), "--seed", str(args.seed),
+        "--log-dir", str(RESULTS / "ours-run"),
+    ])
+    history = summary["history"]
+    return {"step_s": [row["time/step"] for row in history], "reward": [row["reward"] for row in history]}
+
+
+def plot(ours: dict, trl: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.5))
+    a.plot(ours["reward"], marker="o", label="pytrio_compat (async recipe + worker)")
+    a.plot(trl["reward"], marker="s", label="TRL GRPOTrainer")
+    a.set_xlabel("step"), a.set_ylabel("mean sampled reward"), a.legend()
+    b.plot(ours["step_s"], marker="o", label="pytrio_compat")
+    b.plot(trl["step_s"], marker="s", label="TRL")
+    b.set_xlabel("step"), b.set_ylabel("step time (s)"), b.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default=SMOLLM2)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--group", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=40)
+    parser.add_argument("--learning-rate", type=float, default=2e-4)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    from grpo_lib import arithmetic_rows
+
+    rows = arithmetic_rows("train", seed=args.seed)[: args.steps * args.batch * 4]
+    ours = run_ours(args)
+    trl = run_trl(args, rows)
+    # the first step of each includes warm-up (model load, first compilation of kernels): leave it out
+    result = {
+        "config": vars(args), "ours_median_step_s": median(ours["step_s"][1:]),
+        "trl_median_step_s": median(trl["step_s"][1:]),
+        "step_time_ratio_ours_over_trl": median(ours["step_s"][1:]) / median(trl["step_s"][1:]),
+        "ours": ours, "trl": trl,
+    }
+    RESULTS.mkdir(exist_ok=True)
+    plot(ours, trl, RESULTS / "grpo_vs_trl.png")
+    save("grpo_vs_trl", result)
+    (RESULTS / "grpo_vs_trl_curves.json").write_text(json.dumps({"ours": ours, "trl": trl}))
+    return result
+
+
+if __name__ == "__main__":
+    main()
