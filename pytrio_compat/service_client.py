@@ -15,6 +15,7 @@ from typing import Any
 from .config import snapshot
 from .embedded import EmbeddedWorker
 from .errors import APIError, DependencyError, ValidationError
+from .rest_client import RestClient
 from .runtime import Runtime
 from .sampling_client import SamplingClient
 from .training_client import TrainingClient
@@ -157,9 +158,7 @@ class ServiceClient:
     async def create_sampling_client_async(self, *args: Any, **kwargs: Any) -> SamplingClient:
         return await asyncio.to_thread(self.create_sampling_client, *args, **kwargs)
 
-    def create_rest_client(self) -> "RestClient":
-        from .rest_client import RestClient
-
+    def create_rest_client(self) -> RestClient:
         return RestClient(self)
 
     # --- tokenizer ----------------------------------------------------------------------------------

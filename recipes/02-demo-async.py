@@ -57,7 +57,7 @@ async def run(args):
 
     service_client = make_service_client(args)
     training_client = service_client.create_lora_training_client(
-        base_model=args.base_model, rank=args.lora_rank, seed=args.seed
+        base_model=args.base_model, rank=args.lora_rank, seed=args.seed, train_unembed=args.train_unembed
     )
     tokenizer = training_client.get_tokenizer()
     stop = stop_sequences(tokenizer)

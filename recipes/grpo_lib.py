@@ -47,6 +47,8 @@ def build_arg_parser(description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--base-model", default="Qwen/Qwen3.5-4B", help="base model to put the LoRA on")
     p.add_argument("--lora-rank", type=int, default=32, help="LoRA rank")
+    p.add_argument("--no-train-unembed", dest="train_unembed", action="store_false",
+                   help="no LoRA on the output projection (lm_head); attention and MLP only")
     p.add_argument("--steps", type=int, default=10, help="number of GRPO steps (batch-size prompts each)")
     p.add_argument("--all-data", action="store_true", help="one pass over the whole train split; ignores --steps")
     p.add_argument("--batch-size", type=int, default=4, help="prompts per step")

@@ -90,7 +90,8 @@ def create_app(service: WorkerService, api_keys: list[str] | None = None) -> Sta
                         kwargs["body"] = body_model.model_validate_json(raw)
                     except PydanticValidationError as exc:
                         if _is_json_error(exc):
-                            raise WorkerError(400, "invalid_json", "body: not valid JSON (or not UTF-8)", "body")
+                            raise WorkerError(400, "invalid_json", "body: not valid JSON (or not UTF-8)",
+                                              "body") from None
                         raise _validation_to_worker_error(exc) from None
                     kwargs["raw"] = raw
                 result = await handler(request, tenant, **kwargs)

@@ -387,7 +387,7 @@ def generate_batch(model, specs: list[SampleSpec], tokenizer=None,
         timings["prefill"] = timings.get("prefill", 0.0) + prefilled - started
         timings["decode"] = timings.get("decode", 0.0) + time.perf_counter() - prefilled
     results = []
-    for i, spec in enumerate(specs):
+    for i in range(len(specs)):
         rows = [r for r in range(len(owner)) if owner[r] == i]
         sequences = [SampledSequence(tokens=tokens[r], logprobs=logprobs[r], stop_reason=reasons[r]) for r in rows]
         results.append(SampleResult(sequences=sequences, prompt_logprobs=prompt_info[i][0],

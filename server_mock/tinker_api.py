@@ -253,7 +253,8 @@ async def _body(request: Request, limit: int) -> bytes:
         try:
             import zstandard
         except ImportError:
-            raise WorkerError(415, "unsupported_encoding", "zstd bodies need the zstandard package on the worker")
+            raise WorkerError(415, "unsupported_encoding",
+                              "zstd bodies need the zstandard package on the worker") from None
         reader = zstandard.ZstdDecompressor().stream_reader(raw)
         raw = reader.read(limit + 1)
         if len(raw) > limit:

@@ -246,7 +246,7 @@ def decode_forward_backward_request(buf: bytes) -> ForwardBackwardRequest:
     req = ForwardBackwardRequest()
     legacy: dict[str, float] = {}
     v2: dict[str, float | str] = {}
-    for number, wire, value in iter_fields(buf):
+    for number, _wire, value in iter_fields(buf):
         if number == 1:
             req.model_id = _string(value, "model_id")
         elif number == 2:
