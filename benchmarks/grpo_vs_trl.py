@@ -65,7 +65,9 @@ def run_trl(args, rows) -> dict:
         beta=0.0, num_iterations=1, scale_rewards="none", loss_type="grpo", gradient_accumulation_steps=1,
         seed=args.seed, save_strategy="no", shuffle_dataset=True,
     )
-    peft_config = LoraConfig(r=args.rank, lora_alpha=LORA_ALPHA, target_modules=list(linear_groups(model)))
+    # attention and MLP layers: TRL refuses a LoRA on lm_head (ours runs with --no-train-unembed to match)
+    targets = [name for name, group in linear_groups(model).items() if group != "train_unembed"]
+    peft_config = LoraConfig(r=args.rank, lora_alpha=LORA_ALPHA, target_modules=targets)
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
                           processing_class=tokenizer, peft_config=peft_config, callbacks=[timing])
     trainer.train()
@@ -82,7 +84,7 @@ def run_ours(args) -> dict:
         "--base-model", args.model, "--dataset", "arithmetic", "--steps", str(args.steps),
         "--batch-size", str(args.batch), "--group-size", str(args.group), "--max-tokens", str(args.max_tokens),
         "--learning-rate", str(args.learning_rate), "--lora-rank", str(args.rank), "--seed", str(args.seed),
-        "--log-dir", str(RESULTS / "ours-run"),
+        "--log-dir", str(RESULTS / "ours-run"), "--no-train-unembed",
     ])
     history = summary["history"]
     return {"step_s": [row["time/step"] for row in history], "reward": [row["reward"] for row in history]}

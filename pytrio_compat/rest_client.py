@@ -7,8 +7,8 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING
 
 from .errors import ValidationError
-from .types import APIFuture, Checkpoint, CheckpointsListResponse, Cursor, GetSamplerResponse
-from .wire import CheckpointList, SamplerInfo
+from .types import APIFuture, Checkpoint, CheckpointsListResponse, Cursor, GetSamplerResponse, TrainingRun
+from .wire import CheckpointList, SamplerInfo, TrainingRunInfo
 
 if TYPE_CHECKING:
     from .service_client import ServiceClient
@@ -54,6 +54,20 @@ class RestClient:
     async def delete_checkpoint_async(self, training_run_id: str, checkpoint_id: str) -> None:
         _require(checkpoint_id, "checkpoint_id")
         await self._rt.run_async(self._delete(checkpoint_id))
+
+    async def _get_training_run(self, training_run_id: str) -> TrainingRun:
+        raw = await self._rt.request("GET", f"/v1/training_runs/{training_run_id}", operation="get_training_run")
+        info = TrainingRunInfo.model_validate(raw)
+        return TrainingRun(training_run_id=info.training_run_id, base_model=info.base_model, is_lora=True,
+                           lora_rank=info.lora.rank, last_request_time=datetime.now(tz=timezone.utc))
+
+    def get_training_run(self, training_run_id: str, access_scope: str = "owned") -> concurrent.futures.Future:
+        _require(training_run_id, "training_run_id")
+        return self._rt.submit(self._get_training_run(training_run_id))
+
+    async def get_training_run_async(self, training_run_id: str, access_scope: str = "owned") -> TrainingRun:
+        _require(training_run_id, "training_run_id")
+        return await self._rt.run_async(self._get_training_run(training_run_id))
 
     async def _get_sampler(self, sampler_id: str) -> GetSamplerResponse:
         raw = await self._rt.request("GET", f"/v1/samplers/{sampler_id}", operation="get_sampler")

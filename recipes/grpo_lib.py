@@ -568,7 +568,8 @@ class StepStats:
             worker = dict(getattr(output, "metrics", {}) or {}) if output is not None else {}
             if "time/run" in worker:
                 self.times[name] = float(worker["time/run"])
-                self.times["worker/queue"] = self.times.get("worker/queue", 0.0) + float(worker.get("time/queue", 0))
+                if output is fb_output:  # optim_step queues behind its own forward_backward: not a wait
+                    self.times["worker/queue"] = self.times.get("worker/queue", 0.0) + float(worker.get("time/queue", 0))
         if optim_output is not None:
             for key in ("grad_norm", "optim/grad_norm", "gradient_norm"):
                 value = (getattr(optim_output, "metrics", {}) or {}).get(key)

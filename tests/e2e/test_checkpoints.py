@@ -137,6 +137,9 @@ def test_rest_client_lists_and_deletes_checkpoints(service):
     tc = service.create_lora_training_client("tiny", rank=4, seed=1)
     path = tc.save_state("listed").result().path
     rest = service.create_rest_client()
+    run = rest.get_training_run(tc.training_run_id).result()
+    assert run.training_run_id == tc.training_run_id and run.lora_rank == 4 and run.base_model == "tiny"
+    assert rest.get_sampler(tc.save_weights_and_get_sampling_client().sampler_id).result().base_model == "tiny"
     listed = rest.list_checkpoints(tc.training_run_id).result()
     assert [c.path for c in listed.checkpoints] == [path]
     assert listed.checkpoints[0].checkpoint_type == "training" and listed.checkpoints[0].size_bytes > 0
