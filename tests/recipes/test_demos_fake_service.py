@@ -39,7 +39,8 @@ def test_demo_step_logic(script, tmp_path, fake_service, load_demo, tiny_tokeniz
     assert fake_service.configure_kwargs == {"actor_event_wait_timeout": 600, "actor_event_request_timeout": 600,
                                              "timeout": 600}
     assert fake_service.service_kwargs == {}  # no --api-key / --base-url: the SDK's own defaults
-    assert fake_service.training_kwargs == {"base_model": "Qwen/Qwen3.5-4B", "rank": 32, "seed": 7}
+    assert fake_service.training_kwargs == {"base_model": "Qwen/Qwen3.5-4B", "rank": 32, "seed": 7,
+                                            "train_unembed": True}
 
     # Sampling: one request per prompt, group_size samples, the step's prompts in shuffled-data order.
     train_rows = shuffle_rows(load_rows("arithmetic", "train", seed=7), 7)
