@@ -118,14 +118,9 @@ def run_client(base_url: str, api_key: str, model: str, index: int, iterations: 
 
 
 def state_bytes(storage: Path, path: str) -> dict[str, bytes]:
-    from safetensors.numpy import load_file
+    from server_mock.storage import CheckpointStore, parse_path
 
-    folder = storage / "checkpoints" / path[len("trio://"):]
-    out = {}
-    for filename in ("adapter_model.safetensors", "optimizer.safetensors"):
-        out.update({f"{filename}:{k}": np.ascontiguousarray(v).tobytes()
-                    for k, v in load_file(str(folder / filename)).items()})
-    return out
+    return CheckpointStore(storage).fingerprint(parse_path(path))
 
 
 def percentile(values: list[float], q: float) -> float:

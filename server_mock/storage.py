@@ -109,6 +109,15 @@ class CheckpointStore:
             raise WorkerError(404, "checkpoint_incomplete", f"path: {ref.path} has no {filename}", "path")
         return load_file(str(path))
 
+    def fingerprint(self, ref: CheckpointRef) -> dict[str, bytes]:
+        """Every tensor of a save_state checkpoint (weights and Adam state) as raw bytes, keyed by file and
+        name: two checkpoints are bit-identical exactly when their fingerprints are equal."""
+        out = {}
+        for filename in ("adapter_model.safetensors", "optimizer.safetensors"):
+            for name, tensor in self.read_tensors(ref, filename).items():
+                out[f"{filename}:{name}"] = tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        return out
+
     def delete(self, ref: CheckpointRef) -> None:
         if not self.exists(ref):
             raise WorkerError(404, "checkpoint_not_found", f"path: no checkpoint at {ref.path}", "path")

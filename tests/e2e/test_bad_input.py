@@ -101,16 +101,11 @@ def victim(service, worker):
 
 
 def final_weights(worker, tc) -> dict[str, bytes]:
-    from safetensors.numpy import load_file
+    from server_mock.storage import CheckpointStore, parse_path
 
     tc.optim_step(trio.AdamParams(learning_rate=1e-2)).result()
     path = tc.save_state("fingerprint", overwrite=True).result().path
-    run, kind, name = path[len("trio://"):].split("/")
-    folder = worker.storage / "checkpoints" / run / kind / name
-    out = {}
-    for filename in ("adapter_model.safetensors", "optimizer.safetensors"):
-        out.update({f"{filename}:{k}": v.tobytes() for k, v in load_file(str(folder / filename)).items()})
-    return out
+    return CheckpointStore(worker.storage).fingerprint(parse_path(path))
 
 
 def test_malformed_requests_are_rejected_and_change_nothing(worker, service, victim):

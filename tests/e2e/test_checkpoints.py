@@ -6,9 +6,9 @@ import json
 
 import numpy as np
 import pytest
-from safetensors.numpy import load_file
 
 import pytrio_compat as trio
+from server_mock.storage import CheckpointStore, parse_path
 from support import WorkerProcess
 
 ADAM = trio.AdamParams(learning_rate=5e-3, weight_decay=0.01, grad_clip_norm=1.0)
@@ -34,12 +34,7 @@ def train(tc, steps: range) -> None:
 
 
 def state_tensors(storage, path: str) -> dict[str, bytes]:
-    run, kind, name = path[len("trio://"):].split("/")
-    folder = storage / "checkpoints" / run / kind / name
-    tensors = {}
-    for filename in ("adapter_model.safetensors", "optimizer.safetensors"):
-        tensors.update({f"{filename}:{k}": v.tobytes() for k, v in load_file(str(folder / filename)).items()})
-    return tensors
+    return CheckpointStore(storage).fingerprint(parse_path(path))
 
 
 def test_resume_after_sigkill_is_bit_identical(tiny_model_dir, tmp_path, monkeypatch):

@@ -18,15 +18,10 @@ def datum(offset: int = 0, n: int = 20) -> trio.Datum:
 
 def saved_state(storage: Path, tc) -> dict[str, bytes]:
     """Weights and Adam state of a run, as saved on disk, for bit-exact comparison."""
-    from safetensors.numpy import load_file
+    from server_mock.storage import CheckpointStore, parse_path
 
     path = tc.save_state(f"fingerprint-{tc._next_seq}").result().path
-    folder = storage / "checkpoints" / path[len("trio://"):]
-    out = {}
-    for filename in ("adapter_model.safetensors", "optimizer.safetensors"):
-        out.update({f"{filename}:{k}": np.ascontiguousarray(v).tobytes()
-                    for k, v in load_file(str(folder / filename)).items()})
-    return out
+    return CheckpointStore(storage).fingerprint(parse_path(path))
 
 
 def datum_wire(offset: int = 0, n: int = 20) -> dict:
