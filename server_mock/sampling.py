@@ -1,10 +1,16 @@
-"""KV-cached sampling with exact per-token logprobs.
+"""KV-cached sampling with exact per-token logprobs, for every cache kind transformers uses.
 
-``generate`` prefills the prompt once (batch 1), repeats the KV cache to ``num_samples`` rows, then decodes
-all rows together one token per step. The returned logprobs are those of the unmodified model distribution
-(float32 ``log_softmax`` of the raw logits) at the sampled tokens; temperature / top-k / top-p only shape the
-distribution that is sampled from. With a seed, row ``r`` draws from its own ``torch.Generator`` seeded
-from ``(seed, r)``.
+One decode loop serves one request or several coalesced ones: each distinct prompt is prefilled once
+(several prompts together, left-padded), the cache is expanded to one row per sample, and all rows advance one
+token per step; rows that stop leave the batch. Expanding and dropping rows go through
+``Cache.reorder_cache``, which every cache layer kind implements (full attention, sliding window, the
+recurrent and conv states of hybrid linear-attention / short-conv models), so nothing here depends on one
+cache class. Where a model cannot take that (see ``SamplingSupport``), slower paths keep the results correct.
+
+The returned logprobs are those of the unmodified model distribution (float32 ``log_softmax`` of the raw
+logits) at the sampled tokens; temperature / top-k / top-p only shape the distribution sampled from. With a
+seed, row ``r`` of a request draws from its own ``torch.Generator`` seeded from ``(seed, r)``, so a request
+gets the same tokens alone or coalesced with others.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ __all__ = [
     "SampleResult",
     "SampleSpec",
     "SampledSequence",
+    "SamplingSupport",
     "generate",
     "generate_batch",
     "row_seed",
@@ -76,9 +83,28 @@ def _model_device(model) -> torch.device:
         return torch.device("cpu")
 
 
-def _forward(model, input_ids: torch.Tensor, cache, logits_to_keep: int = 0):
-    """A causal-LM forward with the KV cache (transformers 5.24 renamed ``past_key_values=``: ``cache=``)."""
-    out = model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=logits_to_keep)
+@dataclass(frozen=True)
+class SamplingSupport:
+    """Which decoding paths a model's cache can take (``model_support.probe_sampling`` finds out).
+
+    ``shared_prefix``: a prompt is prefilled once and its cache expanded to the sample rows, and stopped rows
+    are dropped (``Cache.reorder_cache``); otherwise every row prefills its own copy of the prompt and stopped
+    rows ride along until the batch ends. ``padded_batch``: several prompts can be prefilled and decoded
+    together, left-padded under an attention mask; otherwise coalesced requests run one after another.
+    """
+
+    shared_prefix: bool = True
+    padded_batch: bool = True
+
+
+FULL_SUPPORT = SamplingSupport()
+
+
+def _forward(model, input_ids: torch.Tensor, cache, logits_to_keep: int = 0, attention_mask=None,
+             position_ids=None):
+    """A causal-LM forward with the cache (transformers 5.24 renamed ``past_key_values=``: ``cache=``)."""
+    out = model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=logits_to_keep,
+                attention_mask=attention_mask, position_ids=position_ids)
     new_cache = getattr(out, "cache", None)
     if new_cache is None:  # pragma: no cover - older output classes
         new_cache = getattr(out, "past_key_values", None)
@@ -164,10 +190,7 @@ def _stop_string_hit(tokenizer, completion: list[int], stop_strings: list[str], 
     return any(s in text for s in stop_strings)
 
 
-def generate(model, spec: SampleSpec, tokenizer=None, timings: dict[str, float] | None = None) -> SampleResult:
-    """Sample ``spec.num_samples`` completions of ``spec.prompt_tokens`` with a KV cache, exact logprobs.
-
-    ``timings``, if given, receives the seconds spent in ``prefill`` and ``decode``."""
+def _check_spec(spec: SampleSpec, tokenizer) -> None:
     if not spec.prompt_tokens:
         raise ValueError("prompt_tokens must not be empty")
     if spec.num_samples < 1:
@@ -178,218 +201,199 @@ def generate(model, spec: SampleSpec, tokenizer=None, timings: dict[str, float] 
         raise ValueError("temperature must be >= 0")
     if not 0.0 < spec.top_p <= 1.0:
         raise ValueError("top_p must be in (0, 1]")
-    stop_strings = [s for s in spec.stop_strings if s]
-    if stop_strings and tokenizer is None:
+    if any(spec.stop_strings) and tokenizer is None:
         raise ValueError("stop_strings need a tokenizer")
 
-    n = spec.num_samples
-    device = _model_device(model)
-    greedy = spec.temperature == 0
-    top_k = spec.top_k if spec.top_k and spec.top_k > 0 else 0
-    plain = not greedy and spec.temperature == 1.0 and top_k == 0 and spec.top_p >= 1.0
-    stop_ids = {int(t) for t in spec.stop_token_ids}
-    # A newly completed stop string lies in the last (its byte length) tokens, each token being >= 1 byte; a
-    # few extra tokens cover decoders that strip a leading space.
-    window = max((len(s.encode("utf-8")) for s in stop_strings), default=0) + 4
 
-    generators: list[torch.Generator] = []
-    if not greedy:
-        seed = spec.seed if spec.seed is not None else random.SystemRandom().getrandbits(63)
-        for r in range(n):
-            g = torch.Generator(device=device)
-            g.manual_seed(row_seed(seed, r))
-            generators.append(g)
+@dataclass
+class _Row:
+    """One sample row: which request it belongs to and what it has produced so far."""
 
-    want_prompt = spec.include_prompt_logprobs or spec.topk_prompt_logprobs > 0
-    prompt = torch.tensor(spec.prompt_tokens, dtype=torch.long, device=device)
-
-    tokens: list[list[int]] = [[] for _ in range(n)]
-    logprobs: list[list[float]] = [[] for _ in range(n)]
-    reasons: list[str] = ["length"] * n
-    prompt_lps = topk_lps = None
-
-    started = time.perf_counter()
-    with torch.no_grad(), _EvalMode(model):
-        logits, cache = _forward(model, prompt[None, :], None, logits_to_keep=0 if want_prompt else 1)
-        prefilled = time.perf_counter()
-        if want_prompt:
-            prompt_lps, topk_lps = _prompt_logprobs(
-                logits[0], prompt, spec.include_prompt_logprobs, spec.topk_prompt_logprobs
-            )
-        step_logits = logits[:, -1, :].float()  # (1, V)
-        del logits
-
-        active = list(range(n))  # sample rows still generating, in cache-batch order
-        if spec.max_tokens > 0 and n > 1:
-            cache.batch_repeat_interleave(n)
-            step_logits = step_logits.expand(n, -1)
-
-        for step in range(spec.max_tokens):
-            lp_all = torch.log_softmax(step_logits, dim=-1)  # (B, V) unmodified model distribution
-            if greedy:
-                next_tok = lp_all.argmax(dim=-1)
-            else:
-                probs = (
-                    lp_all.exp()
-                    if plain
-                    else _filtered_probs(step_logits, spec.temperature, top_k, spec.top_p)
-                )
-                next_tok = torch.cat(
-                    [torch.multinomial(probs[b], 1, generator=generators[r]) for b, r in enumerate(active)]
-                )
-            tok_lp = lp_all.gather(-1, next_tok[:, None])[:, 0]
-            tok_list = next_tok.tolist()
-            lp_list = tok_lp.tolist()
-
-            keep: list[int] = []
-            for b, r in enumerate(active):
-                t = tok_list[b]
-                tokens[r].append(t)
-                logprobs[r].append(lp_list[b])
-                if t in stop_ids or (
-                    stop_strings and _stop_string_hit(tokenizer, tokens[r], stop_strings, window)
-                ):
-                    reasons[r] = "stop"
-                else:
-                    keep.append(b)
-            if not keep or step == spec.max_tokens - 1:
-                break
-            if len(keep) < len(active):
-                idx = torch.tensor(keep, dtype=torch.long, device=device)
-                cache.batch_select_indices(idx)
-                next_tok = next_tok[idx]
-                active = [active[b] for b in keep]
-            logits, cache = _forward(model, next_tok[:, None], cache, logits_to_keep=1)
-            step_logits = logits[:, -1, :].float()
-            del logits
-
-    if timings is not None:
-        timings["prefill"] = timings.get("prefill", 0.0) + prefilled - started
-        timings["decode"] = timings.get("decode", 0.0) + time.perf_counter() - prefilled
-    sequences = [
-        SampledSequence(tokens=tokens[r], logprobs=logprobs[r], stop_reason=reasons[r]) for r in range(n)
-    ]
-    return SampleResult(sequences=sequences, prompt_logprobs=prompt_lps, topk_prompt_logprobs=topk_lps)
+    request: int
+    generator: torch.Generator | None
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    reason: str = "length"
 
 
-def generate_batch(model, specs: list[SampleSpec], tokenizer=None,
-                   timings: dict[str, float] | None = None) -> list[SampleResult]:
-    """Decode several sample requests as one batch (the async recipe's concurrent prompts).
-
-    Each prompt is prefilled once; the caches are left-padded to a common length and merged, with an
-    attention mask over the padding and per-row position ids, then every row of every request advances
-    together. Row ``r`` of a request uses the same generator seed as in ``generate``, so a request gets
-    the same tokens whether it ran alone or batched with others.
-    """
-    if len(specs) == 1 or any(s.max_tokens < 1 for s in specs):
-        return [generate(model, s, tokenizer, timings) for s in specs]
-    for spec in specs:
-        if not spec.prompt_tokens or spec.num_samples < 1 or spec.temperature < 0 or not 0 < spec.top_p <= 1:
-            raise ValueError("invalid sample spec in batch")
-        if spec.stop_strings and tokenizer is None:
-            raise ValueError("stop_strings need a tokenizer")
-    device = _model_device(model)
-    owner: list[int] = []  # request index of each row
-    sample_index: list[int] = []
-    generators: list[torch.Generator | None] = []
+def _make_rows(specs: list[SampleSpec], device: torch.device) -> list[_Row]:
+    rows = []
     for i, spec in enumerate(specs):
         seed = spec.seed if spec.seed is not None else random.SystemRandom().getrandbits(63)
         for r in range(spec.num_samples):
-            owner.append(i)
-            sample_index.append(r)
-            if spec.temperature == 0:
-                generators.append(None)
-            else:
-                g = torch.Generator(device=device)
-                g.manual_seed(row_seed(seed, r))
-                generators.append(g)
-    windows = [max((len(s.encode("utf-8")) for s in spec.stop_strings if s), default=0) + 4 for spec in specs]
-    tokens: list[list[int]] = [[] for _ in owner]
-    logprobs: list[list[float]] = [[] for _ in owner]
-    reasons = ["length"] * len(owner)
-    prompt_info: list[tuple] = []
+            gen = None
+            if spec.temperature != 0:
+                gen = torch.Generator(device=device)
+                gen.manual_seed(row_seed(seed, r))
+            rows.append(_Row(request=i, generator=gen))
+    return rows
 
+
+def _left_padded(prompts: list[list[int]], device: torch.device):
+    """Token ids, attention mask and position ids of prompts left-padded to one length (mask None if equal)."""
+    longest = max(len(p) for p in prompts)
+    ids = torch.zeros((len(prompts), longest), dtype=torch.long, device=device)
+    for b, p in enumerate(prompts):
+        ids[b, longest - len(p):] = torch.tensor(p, dtype=torch.long, device=device)
+    if all(len(p) == longest for p in prompts):
+        return ids, None, None
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(prompts):
+        mask[b, longest - len(p):] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    return ids, mask, positions
+
+
+def _next_tokens(specs: list[SampleSpec], rows: list[_Row], live: list[int], step_logits: torch.Tensor):
+    """Sample one token for each live row (``live`` indexes ``rows`` in ``step_logits`` row order)."""
+    lp_all = torch.log_softmax(step_logits, dim=-1)  # the unmodified model distribution
+    next_tok = torch.empty(len(live), dtype=torch.long, device=step_logits.device)
+    for i, spec in enumerate(specs):
+        block = [b for b, r in enumerate(live) if rows[r].request == i]
+        if not block:
+            continue
+        if spec.temperature == 0:
+            next_tok[block] = lp_all[block].argmax(dim=-1)
+            continue
+        top_k = spec.top_k if spec.top_k and spec.top_k > 0 else 0
+        plain = spec.temperature == 1.0 and top_k == 0 and spec.top_p >= 1.0
+        probs = lp_all[block].exp() if plain else _filtered_probs(step_logits[block], spec.temperature, top_k,
+                                                                 spec.top_p)
+        for j, b in enumerate(block):
+            next_tok[b] = torch.multinomial(probs[j], 1, generator=rows[live[b]].generator)[0]
+    return next_tok, lp_all.gather(-1, next_tok[:, None])[:, 0]
+
+
+def _record(specs, rows, live, next_tok, tok_lp, tokenizer) -> list[int]:
+    """Append each live row's token; return the positions (in ``live``) of rows that go on generating."""
+    keep = []
+    for b, (t, lp) in enumerate(zip(next_tok.tolist(), tok_lp.tolist())):
+        row = rows[live[b]]
+        spec = specs[row.request]
+        row.tokens.append(t)
+        row.logprobs.append(lp)
+        stops = [s for s in spec.stop_strings if s]
+        # a newly completed stop string lies in the last (its byte length) tokens, each token >= 1 byte; a few
+        # extra tokens cover decoders that strip a leading space
+        window = max((len(s.encode("utf-8")) for s in stops), default=0) + 4
+        if t in spec.stop_token_ids or (stops and _stop_string_hit(tokenizer, row.tokens, stops, window)):
+            row.reason = "stop"
+        elif len(row.tokens) < spec.max_tokens:
+            keep.append(b)
+    return keep
+
+
+def generate(model, spec: SampleSpec, tokenizer=None, timings: dict[str, float] | None = None,
+             support: SamplingSupport = FULL_SUPPORT) -> SampleResult:
+    """Sample ``spec.num_samples`` completions of ``spec.prompt_tokens`` with a KV cache, exact logprobs.
+
+    ``timings``, if given, receives the seconds spent in ``prefill`` and ``decode``."""
+    return generate_batch(model, [spec], tokenizer, timings, support)[0]
+
+
+def generate_batch(model, specs: list[SampleSpec], tokenizer=None, timings: dict[str, float] | None = None,
+                   support: SamplingSupport = FULL_SUPPORT) -> list[SampleResult]:
+    """Decode one or several sample requests as one batch (the async recipe's concurrent prompts)."""
+    for spec in specs:
+        _check_spec(spec, tokenizer)
+    if len(specs) > 1 and not support.padded_batch:
+        return [generate_batch(model, [s], tokenizer, timings, support)[0] for s in specs]
+    device = _model_device(model)
+    rows = _make_rows(specs, device)
+    # rows of the prefill batch: one per request, or one per sample row where the cache cannot be expanded
+    prefill_of_row = [row.request for row in rows]
+    prefill_prompts = [s.prompt_tokens for s in specs]
+    if not support.shared_prefix:
+        prefill_of_row = list(range(len(rows)))
+        prefill_prompts = [specs[row.request].prompt_tokens for row in rows]
     started = time.perf_counter()
     with torch.no_grad(), _EvalMode(model):
-        caches, first_logits = [], []
-        for spec in specs:
-            want = spec.include_prompt_logprobs or spec.topk_prompt_logprobs > 0
-            prompt = torch.tensor(spec.prompt_tokens, dtype=torch.long, device=device)
-            logits, cache = _forward(model, prompt[None, :], None, logits_to_keep=0 if want else 1)
-            prompt_info.append(_prompt_logprobs(logits[0], prompt, spec.include_prompt_logprobs,
-                                                spec.topk_prompt_logprobs) if want else (None, None))
-            first_logits.append(logits[:, -1, :].float())
-            caches.append(cache)
-            del logits
+        ids, mask, positions = _left_padded(prefill_prompts, device)
+        want_prompt = any(s.include_prompt_logprobs or s.topk_prompt_logprobs > 0 for s in specs)
+        logits, cache = _forward(model, ids, None, 0 if want_prompt else 1, mask, positions)
+        prompt_info = _all_prompt_logprobs(specs, prefill_prompts, prefill_of_row, rows, logits, ids)
+        step_logits = logits[:, -1, :].float()
+        del logits
         prefilled = time.perf_counter()
-        lengths = [len(s.prompt_tokens) for s in specs]
-        longest = max(lengths)
-        cache = caches[0]
-        for layer_index, layer in enumerate(cache.layers):
-            for attr in ("keys", "values"):
-                parts = []
-                for spec, c, n in zip(specs, caches, lengths):
-                    t = getattr(c.layers[layer_index], attr)
-                    if n < longest:
-                        t = torch.nn.functional.pad(t, (0, 0, longest - n, 0))
-                    parts.append(t.repeat_interleave(spec.num_samples, dim=0))
-                setattr(layer, attr, torch.cat(parts, dim=0))
-        attention = torch.zeros((len(owner), longest), dtype=torch.long, device=device)
-        for row, i in enumerate(owner):
-            attention[row, longest - lengths[i]:] = 1
-        positions = torch.tensor([lengths[i] for i in owner], dtype=torch.long, device=device)
-        step_logits = torch.cat([first_logits[i] for i in owner], dim=0)
-        active = list(range(len(owner)))
-
-        while True:
-            lp_all = torch.log_softmax(step_logits, dim=-1)
-            next_tok = torch.empty(len(active), dtype=torch.long, device=device)
-            for i, spec in enumerate(specs):
-                block = [b for b, r in enumerate(active) if owner[r] == i]
-                if not block:
-                    continue
-                if spec.temperature == 0:
-                    next_tok[block] = lp_all[block].argmax(dim=-1)
-                    continue
-                top_k = spec.top_k if spec.top_k and spec.top_k > 0 else 0
-                plain = spec.temperature == 1.0 and top_k == 0 and spec.top_p >= 1.0
-                probs = lp_all[block].exp() if plain else _filtered_probs(step_logits[block], spec.temperature,
-                                                                         top_k, spec.top_p)
-                for j, b in enumerate(block):
-                    next_tok[b] = torch.multinomial(probs[j], 1, generator=generators[active[b]])[0]
-            tok_lp = lp_all.gather(-1, next_tok[:, None])[:, 0]
-            keep: list[int] = []
-            for b, (t, lp) in enumerate(zip(next_tok.tolist(), tok_lp.tolist())):
-                r = active[b]
-                spec = specs[owner[r]]
-                tokens[r].append(t)
-                logprobs[r].append(lp)
-                if t in spec.stop_token_ids or (spec.stop_strings and _stop_string_hit(
-                        tokenizer, tokens[r], spec.stop_strings, windows[owner[r]])):
-                    reasons[r] = "stop"
-                elif len(tokens[r]) < spec.max_tokens:
-                    keep.append(b)
-            if not keep:
-                break
-            if len(keep) < len(active):
-                idx = torch.tensor(keep, dtype=torch.long, device=device)
-                cache.batch_select_indices(idx)
-                attention, positions, next_tok = attention[idx], positions[idx], next_tok[idx]
-                active = [active[b] for b in keep]
-            attention = torch.cat([attention, attention.new_ones((len(active), 1))], dim=1)
-            out = model(input_ids=next_tok[:, None], cache=cache, attention_mask=attention,
-                        position_ids=positions[:, None], use_cache=True, logits_to_keep=1)
-            cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
-            step_logits = out.logits[:, -1, :].float()
-            positions = positions + 1
-
+        live = [r for r, row in enumerate(rows) if specs[row.request].max_tokens > 0]
+        if live:
+            state = _Batch(cache, step_logits, mask, positions, [len(p) for p in prefill_prompts])
+            batch = list(range(len(rows)))  # the sample row in each cache position
+            if support.shared_prefix:  # one cache row per request so far: expand to the live sample rows
+                state.reorder([prefill_of_row[r] for r in live], list(range(len(prefill_prompts))))
+                batch = list(live)
+            _decode(model, specs, rows, state, batch, live, support, tokenizer)
     if timings is not None:
         timings["prefill"] = timings.get("prefill", 0.0) + prefilled - started
         timings["decode"] = timings.get("decode", 0.0) + time.perf_counter() - prefilled
     results = []
     for i in range(len(specs)):
-        rows = [r for r in range(len(owner)) if owner[r] == i]
-        sequences = [SampledSequence(tokens=tokens[r], logprobs=logprobs[r], stop_reason=reasons[r]) for r in rows]
+        sequences = [SampledSequence(tokens=row.tokens, logprobs=row.logprobs, stop_reason=row.reason)
+                     for row in rows if row.request == i]
         results.append(SampleResult(sequences=sequences, prompt_logprobs=prompt_info[i][0],
                                     topk_prompt_logprobs=prompt_info[i][1]))
     return results
+
+
+def _all_prompt_logprobs(specs, prefill_prompts, prefill_of_row, rows, logits, ids):
+    """Each request's prompt logprobs from the prefill logits (padding positions skipped)."""
+    out = []
+    for i, spec in enumerate(specs):
+        if not (spec.include_prompt_logprobs or spec.topk_prompt_logprobs > 0):
+            out.append((None, None))
+            continue
+        b = next(prefill_of_row[r] for r, row in enumerate(rows) if row.request == i)
+        offset = ids.shape[1] - len(prefill_prompts[b])
+        out.append(_prompt_logprobs(logits[b, offset:], ids[b, offset:], spec.include_prompt_logprobs,
+                                    spec.topk_prompt_logprobs))
+    return out
+
+
+class _Batch:
+    """The decoding batch: the model's cache and, where prompts were padded, the mask and positions."""
+
+    def __init__(self, cache, step_logits, mask, positions, lengths):
+        self.cache = cache
+        self.step_logits = step_logits
+        self.mask = mask
+        self.positions = None if positions is None else torch.tensor(lengths, device=step_logits.device)
+
+    def reorder(self, index: list[int], current: list[int]) -> None:
+        """Keep cache rows ``index`` (positions in the current batch), repeating a row to expand it."""
+        if index == list(range(len(current))):
+            return
+        idx = torch.tensor(index, dtype=torch.long, device=self.step_logits.device)
+        self.cache.reorder_cache(idx)
+        self.step_logits = self.step_logits[idx]
+        if self.mask is not None:
+            self.mask, self.positions = self.mask[idx], self.positions[idx]
+
+    def advance(self, model, next_tok: torch.Tensor) -> None:
+        if self.mask is not None:
+            self.mask = torch.cat([self.mask, self.mask.new_ones((self.mask.shape[0], 1))], dim=1)
+        positions = None if self.positions is None else self.positions[:, None]
+        logits, self.cache = _forward(model, next_tok[:, None], self.cache, 1, self.mask, positions)
+        self.step_logits = logits[:, -1, :].float()
+        if self.positions is not None:
+            self.positions = self.positions + 1
+
+
+def _decode(model, specs, rows, state: _Batch, batch: list[int], live: list[int], support, tokenizer) -> None:
+    """The decode loop. ``batch``: the row in each cache position; ``live``: rows still generating."""
+    while live:
+        pos = {r: b for b, r in enumerate(batch)}
+        live_at = [pos[r] for r in live]
+        logits = state.step_logits if len(live_at) == len(batch) else state.step_logits[live_at]
+        next_tok, tok_lp = _next_tokens(specs, rows, live, logits)
+        keep = _record(specs, rows, live, next_tok, tok_lp, tokenizer)
+        if not keep:
+            return
+        live_tok = next_tok
+        live = [live[b] for b in keep]
+        if support.shared_prefix:
+            state.reorder([live_at[b] for b in keep], batch)
+            batch, feed = list(live), live_tok[keep]
+        else:  # rows that stopped ride along, fed their last token; their outputs are never read
+            feed = torch.tensor([rows[r].tokens[-1] if rows[r].tokens else 0 for r in batch], dtype=torch.long,
+                                device=live_tok.device)
+        state.advance(model, feed)

@@ -16,10 +16,8 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
-    LlamaConfig,
     PreTrainedModel,
     PreTrainedTokenizerFast,
-    Qwen2Config,
 )
 
 __all__ = [
@@ -30,6 +28,7 @@ __all__ = [
     "IM_START",
     "IM_START_TOKEN_ID",
     "PAD_TOKEN_ID",
+    "TINY_FAMILIES",
     "TINY_VOCAB_SIZE",
     "build_tiny_model",
     "build_tiny_tokenizer",
@@ -174,8 +173,41 @@ def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
     return hf_tok
 
 
+# Small, fast configurations of the causal-LM families the worker is tested on. Each keeps the family's
+# distinctive layer kinds: Gemma 3's sliding window is shorter than a test prompt + completion, Qwen3.5 and
+# LFM2 mix recurrent (linear attention / short conv) layers with full attention, Qwen3-MoE routes to experts.
+_FAMILY_EXTRAS: dict[str, dict] = {
+    "qwen2": {},
+    "llama": {},
+    "mistral": {"sliding_window": 4096},
+    "qwen3": {"head_dim": 16},
+    "gemma3": {"head_dim": 16, "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
+               "query_pre_attn_scalar": 16},
+    "qwen3_moe": {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                  "decoder_sparse_step": 1},
+    "qwen3_5": {"head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+                "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
+                "layer_types": ["linear_attention", "full_attention"]},
+    "lfm2": {"layer_types": ["conv", "full_attention"], "conv_L_cache": 3, "block_ff_dim": 128,
+             "block_auto_adjust_ff_dim": False},
+}
+TINY_FAMILIES = tuple(_FAMILY_EXTRAS)
+
+
+def _family_config(arch: str, common: dict):
+    import transformers
+
+    names = {"qwen2": "Qwen2Config", "llama": "LlamaConfig", "mistral": "MistralConfig", "qwen3": "Qwen3Config",
+             "gemma3": "Gemma3TextConfig", "qwen3_moe": "Qwen3MoeConfig", "qwen3_5": "Qwen3_5TextConfig",
+             "lfm2": "Lfm2Config"}
+    if arch not in names:
+        raise ValueError(f"unknown tiny arch {arch!r}; expected one of {', '.join(TINY_FAMILIES)}")
+    config_class = getattr(transformers, names[arch])
+    return config_class(**common, **_FAMILY_EXTRAS[arch])
+
+
 def build_tiny_model(vocab_size: int, arch: str = "qwen2", seed: int = 0) -> PreTrainedModel:
-    """A random 2-layer, hidden-64 causal LM (Qwen2 or Llama), float32, deterministic given ``seed``.
+    """A random 2-layer, hidden-64 causal LM of one of ``TINY_FAMILIES``, float32, deterministic given ``seed``.
 
     ``vocab_size`` should be ``len(build_tiny_tokenizer())``. Eos/pad ids are the tiny tokenizer's.
     Building does not disturb the global torch RNG.
@@ -193,13 +225,7 @@ def build_tiny_model(vocab_size: int, arch: str = "qwen2", seed: int = 0) -> Pre
         "eos_token_id": EOS_TOKEN_ID,
         "pad_token_id": PAD_TOKEN_ID,
     }
-    arch_l = arch.lower()
-    if arch_l == "qwen2":
-        config = Qwen2Config(**common)
-    elif arch_l == "llama":
-        config = LlamaConfig(**common)
-    else:
-        raise ValueError(f"unknown tiny arch {arch!r}; expected 'qwen2' or 'llama'")
+    config = _family_config(arch.lower(), common)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
