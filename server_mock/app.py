@@ -29,6 +29,7 @@ from pytrio_compat.wire import (
 )
 
 from .errors import WorkerError
+from .openai_api import openai_routes
 from .service import WorkerService
 from .tinker_api import tinker_routes
 
@@ -208,6 +209,7 @@ def create_app(service: WorkerService, api_keys: list[str] | None = None) -> Sta
         Route("/v1/requests/{request_id}", endpoint(get_request), methods=["GET"]),
     ]
     routes += tinker_routes(service, auth)
+    routes += openai_routes(service, auth)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
