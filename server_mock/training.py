@@ -19,7 +19,7 @@ from torch import nn
 from pytrio_compat.types import AdamParams
 from pytrio_compat.wire import LoraSpec
 
-from . import losses
+from . import losses, model_support
 from .errors import WorkerError, bad_request
 from .model_loading import load_model_and_tokenizer
 
@@ -35,6 +35,7 @@ class TrainOptions:
     micro_batch_tokens: int = MICRO_BATCH_TOKENS
     autocast_bf16: bool = False
     activation_checkpointing: bool = False
+    float32_head: bool = True  # the output head in float32 in the sampler and the trainer (see model_support)
 
 
 @dataclass
@@ -85,6 +86,12 @@ class ModelHost:
         self.model, self.tokenizer, self.source_dir = load_model_and_tokenizer(source, device, dtype)
         self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
         self._linear_groups = linear_groups(self.model)  # read before PEFT wraps the layers
+        if not any(group != "train_unembed" for group in self._linear_groups.values()):
+            raise model_support.refuse(self.model.config.model_type,
+                                       "LoRA needs nn.Linear attention or MLP layers and this model has none")
+        if options.float32_head:
+            model_support.use_float32_head(self.model)
+        self.sampling_support = model_support.probe_sampling(self.model, self.vocab_size)
         ctx = getattr(self.model.config, "max_position_embeddings", None)
         self.max_seq_len = min(x for x in (max_seq_len, ctx) if x) if (max_seq_len or ctx) else None
         if options.activation_checkpointing:
