@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "float32 sampler's by ~1e-2)")
     serve.add_argument("--activation-checkpointing", action="store_true",
                        help="recompute activations in backward: less memory, ~30%% more time")
+    serve.add_argument("--prefix-share-min-tokens", type=int, default=32, metavar="N",
+                       help="in one forward/backward call, datums sharing at least N leading tokens (a GRPO group's "
+                            "prompt) run them once; the results are unchanged. 0 disables (default 32)")
     serve.add_argument("--log-level", default="INFO")
     tiny = sub.add_parser("make-tiny-model", help="write a random tiny causal LM + tokenizer for smoke tests")
     tiny.add_argument("directory")
@@ -113,12 +116,15 @@ def serve(args: argparse.Namespace) -> None:
             sys.exit(f"--allow-adapter-dir {folder}: not a folder")
     if args.result_ttl <= 0:
         sys.exit("--result-ttl must be positive")
+    if args.prefix_share_min_tokens < 0:
+        sys.exit("--prefix-share-min-tokens must be >= 0 (0 disables prefix sharing)")
     service = WorkerService(dict(args.model), args.storage, device, resolve_dtype(args.dtype, device),
                             lazy_models=args.lazy_models, limits=limits, result_ttl=args.result_ttl,
                             allow_adapter_dirs=args.allow_adapter_dir,
                             train_options=TrainOptions(micro_batch_tokens=args.micro_batch_tokens,
                                                        autocast_bf16=args.autocast == "bf16",
-                                                       activation_checkpointing=args.activation_checkpointing))
+                                                       activation_checkpointing=args.activation_checkpointing,
+                                                       prefix_share_min_tokens=args.prefix_share_min_tokens))
     if service.fault_injection:
         logging.getLogger("server_mock").warning("fault injection is ON (PYTRIO_WORKER_FAULT_INJECTION): requests "
                                                  "may ask to fail on purpose; never use this in production")

@@ -1,0 +1,357 @@
+"""Run a prompt shared by several datums once per forward/backward call, exactly.
+
+In GRPO a batch holds groups of completions of one prompt. Instead of running ``prompt + completion`` for every
+datum, the worker runs the shared prefix once (batch 1), keeps each layer's cached states, and runs every datum's
+remainder against them (right-padded, explicit positions, an attention mask covering prefix + remainder).
+
+Gradients: the cached states and the prefix logits enter the remainder passes as detached leaves. Each chunk of
+remainders backpropagates into the LoRA weights and into those leaves; after the group's last chunk one backward
+pass carries the leaves' accumulated gradients through the prefix. The result is the gradient of the unshared
+computation (sums in a different order: equal to float rounding).
+
+The cache objects are transformers' ``DynamicCache`` whose layers are made side-effect free: during the prefix
+pass they only record what the model hands them, during a remainder pass they return ``prefix ++ new`` without
+storing anything. So a layer that activation checkpointing runs twice sees the same states both times, and no
+cached tensor is ever written in place (which would break autograd). Layer kinds handled: full attention, sliding
+window, linear attention (conv + recurrent states, e.g. Qwen3.5). Any other kind, or a model whose probe
+(``probe``) does not reproduce the unshared computation, takes the unshared path.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import types
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+logger = logging.getLogger("server_mock")
+
+__all__ = ["PrefixGroup", "SharedPrefix", "chunk_group", "find_groups", "probe", "supports_cache_layers"]
+
+Forward = Callable[..., torch.Tensor]  # model keyword inputs -> logits [B, T, V]
+
+
+# --- which datums share a prefix ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PrefixGroup:
+    prefix_len: int  # every member has at least one token after the prefix
+    members: tuple[int, ...]
+
+
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """Length of the common prefix of two token arrays, leaving at least one token of each after it."""
+    m = min(len(a), len(b))
+    differ = np.flatnonzero(a[:m] != b[:m])
+    return min(int(differ[0]) if len(differ) else m, m - 1)
+
+
+def find_groups(sequences: list[np.ndarray], min_tokens: int) -> list[PrefixGroup]:
+    """Groups of datums whose shared prefix (>= ``min_tokens``) saves the most recomputed tokens.
+
+    Sorted lexicographically, the common prefix of a run of sequences is the minimum of its neighbours' common
+    prefixes. Joining neighbours in decreasing order of that value builds the runs bottom-up; each run either
+    stays one group (saving ``(size - 1) * prefix`` tokens) or keeps its two halves' best grouping, whichever
+    saves more.
+    """
+    if min_tokens <= 0 or len(sequences) < 2:
+        return []
+    order = sorted(range(len(sequences)), key=lambda i: sequences[i].tolist())
+    lcp = [_common_prefix(sequences[order[k]], sequences[order[k + 1]]) for k in range(len(order) - 1)]
+    # run data keyed by its first sorted position: (last position, tokens saved, chosen groups as (prefix, lo, hi))
+    runs: dict[int, tuple[int, int, list[tuple[int, int, int]]]] = {k: (k, 0, []) for k in range(len(order))}
+    start_of = list(range(len(order)))  # last position of a run -> its first position
+    for k in sorted(range(len(lcp)), key=lambda k: -lcp[k]):
+        m = lcp[k]
+        if m < min_tokens:
+            break
+        lo = start_of[k]
+        _, saved_left, groups_left = runs.pop(lo)
+        hi, saved_right, groups_right = runs.pop(k + 1)
+        together = (hi - lo) * m
+        if together >= saved_left + saved_right:
+            runs[lo] = (hi, together, [(m, lo, hi)])
+        else:
+            runs[lo] = (hi, saved_left + saved_right, groups_left + groups_right)
+        start_of[hi] = lo
+    groups = [PrefixGroup(m, tuple(order[lo:hi + 1])) for _, _, chosen in runs.values() for m, lo, hi in chosen]
+    return sorted(groups, key=lambda g: g.members[0])
+
+
+def chunk_group(group: PrefixGroup, lengths: list[int], budget: int) -> list[list[int]]:
+    """Split a group's members into chunks whose padded remainders fit ``budget`` minus the prefix held."""
+    capacity = max(budget - group.prefix_len, 1)
+    members = sorted(group.members, key=lambda i: lengths[i])
+    chunks: list[list[int]] = []
+    current: list[int] = []
+    for index in members:
+        longest = lengths[index] - group.prefix_len  # sorted: the newcomer is the longest remainder
+        if current and longest * (len(current) + 1) > capacity:
+            chunks.append(current)
+            current = []
+        current.append(index)
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+# --- side-effect-free cache layers -----------------------------------------------------------------------------
+
+def _cache_classes():
+    from transformers import cache_utils
+
+    return cache_utils
+
+
+_HANDLED_LAYERS = ("DynamicLayer", "DynamicSlidingWindowLayer", "LinearAttentionLayer", "DummyLayer",
+                   "LinearAttentionAndFullAttentionLayer", "LinearAttentionAndSlidingWindowAttentionLayer")
+
+
+def supports_cache_layers(config) -> str | None:
+    """None if every layer of this model's ``DynamicCache`` is a kind handled here, else the first one that is not."""
+    for layer in _cache_classes().DynamicCache(config=config).layers:
+        if type(layer).__name__ not in _HANDLED_LAYERS:
+            return type(layer).__name__
+    return None
+
+
+def _is_kv(layer) -> bool:
+    return isinstance(layer, _cache_classes().DynamicLayer)
+
+
+def _is_linear(layer) -> bool:
+    return isinstance(layer, _cache_classes().LinearAttentionCacheLayerMixin)
+
+
+def _recording_cache(config):
+    """A cache for the prefix pass: each layer records the states it is given and stores nothing the model reads."""
+    cache = _cache_classes().DynamicCache(config=config)
+    for layer in cache.layers:
+        layer.recorded = {}
+        if _is_kv(layer):
+            def update(self, keys, values, *args, **kwargs):
+                self.recorded["kv"] = (keys, values)
+                return keys, values
+            layer.update = types.MethodType(update, layer)
+        if _is_linear(layer):
+            def update_conv_state(self, conv, state_idx=0, conv_kernel_size=None, **kwargs):
+                size = conv_kernel_size or conv.shape[-1]
+                full = conv if conv.shape[-1] >= size else nn.functional.pad(conv, (size - conv.shape[-1], 0))
+                self.recorded[("conv", state_idx)] = (full[..., -size:], size)
+                return full
+
+            def update_recurrent_state(self, state, state_idx=0, **kwargs):
+                self.recorded[("recurrent", state_idx)] = state
+                return state
+            layer.update_conv_state = types.MethodType(update_conv_state, layer)
+            layer.update_recurrent_state = types.MethodType(update_recurrent_state, layer)
+    return cache
+
+
+def _replay_cache(config, states: list[dict], prefix_len: int, rows: int):
+    """A cache holding the prefix's states for ``rows`` rows; updates return ``prefix ++ new`` and store nothing."""
+    cache = _cache_classes().DynamicCache(config=config)
+    for layer, saved in zip(cache.layers, states):
+        if "kv" in saved:
+            keys, values = (t.expand(rows, *t.shape[1:]) for t in saved["kv"])
+            layer.keys, layer.values, layer.is_initialized = keys, values, True
+            layer.device = keys.device
+            if isinstance(layer, _cache_classes().DynamicSlidingWindowLayer):
+                layer.cumulative_length = prefix_len
+
+            def update(self, new_keys, new_values, *args, **kwargs):
+                return torch.cat([self.keys, new_keys], dim=-2), torch.cat([self.values, new_values], dim=-2)
+            layer.update = types.MethodType(update, layer)
+        if _is_linear(layer):
+            layer.record_past = True  # never the single-token path, which updates the conv state in place
+            for key, value in saved.items():
+                if key == "kv":
+                    continue
+                kind, idx = key
+                if kind == "conv":
+                    tensor, size = value
+                    layer.conv_states[idx] = tensor.expand(rows, *tensor.shape[1:])
+                    layer.conv_kernel_size[idx] = size
+                    layer.is_conv_states_initialized[idx] = True
+                    layer.has_previous_state[idx] = True
+                    layer.device, layer.dtype = tensor.device, tensor.dtype
+                elif kind == "recurrent":
+                    layer.recurrent_states[idx] = value.expand(rows, *value.shape[1:])
+                    layer.is_recurrent_states_initialized[idx] = True
+                    layer.has_previous_state[idx] = True
+
+            def update_conv_state(self, conv, state_idx=0, **kwargs):
+                return torch.cat([self.conv_states[state_idx], conv], dim=-1)
+
+            def update_recurrent_state(self, state, state_idx=0, **kwargs):
+                return state
+            layer.update_conv_state = types.MethodType(update_conv_state, layer)
+            layer.update_recurrent_state = types.MethodType(update_recurrent_state, layer)
+    return cache
+
+
+def _cache_kwarg(model: nn.Module) -> str:
+    """transformers 5.x renamed ``past_key_values`` to ``cache``; use whichever this model's forward takes."""
+    params = inspect.signature(model.forward).parameters
+    return "past_key_values" if "past_key_values" in params and "cache" not in params else "cache"
+
+
+# --- one shared prefix -------------------------------------------------------------------------------------------
+
+class SharedPrefix:
+    """One prefix run once; ``remainder_logits`` runs rows after it; ``backward`` finishes the prefix's gradient."""
+
+    def __init__(self, forward: Forward, config, cache_kwarg: str, prefix_ids: torch.Tensor):
+        self._forward, self._config, self._cache_kwarg = forward, config, cache_kwarg
+        self.prefix_len = int(prefix_ids.shape[0])
+        self._roots: list[torch.Tensor] = []
+        self._leaves: list[torch.Tensor] = []
+        cache = _recording_cache(config)
+        positions = torch.arange(self.prefix_len, device=prefix_ids.device)[None]
+        logits = forward(input_ids=prefix_ids[None], attention_mask=torch.ones_like(prefix_ids)[None],
+                         position_ids=positions, use_cache=True, **{cache_kwarg: cache})
+        self.logits = self._leaf(logits)  # [1, L, V]
+        self._states: list[dict] = []
+        for layer in cache.layers:
+            saved: dict = {}
+            for key, value in layer.recorded.items():
+                if key == "kv":
+                    keys, values = value
+                    if isinstance(layer, _cache_classes().DynamicSlidingWindowLayer):
+                        keep = layer.sliding_window - 1  # what the layer itself keeps for the next tokens
+                        keys, values = keys[:, :, -keep:], values[:, :, -keep:]
+                    saved[key] = (self._leaf(keys), self._leaf(values))
+                elif key[0] == "conv":
+                    saved[key] = (self._leaf(value[0]), value[1])
+                else:
+                    saved[key] = self._leaf(value)
+            self._states.append(saved)
+
+    def _leaf(self, tensor: torch.Tensor) -> torch.Tensor:
+        if not tensor.requires_grad:
+            return tensor
+        leaf = tensor.detach().requires_grad_(True)
+        self._roots.append(tensor)
+        self._leaves.append(leaf)
+        return leaf
+
+    def remainder_logits(self, ids: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
+        """Logits [rows, R, V] of right-padded remainders ``ids`` [rows, R] (``attention`` 1 on real tokens)."""
+        rows, length = ids.shape
+        cache = _replay_cache(self._config, self._states, self.prefix_len, rows)
+        mask = torch.cat([attention.new_ones((rows, self.prefix_len)), attention], dim=1)
+        positions = (torch.arange(length, device=ids.device) + self.prefix_len).expand(rows, length)
+        return self._forward(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                             **{self._cache_kwarg: cache})
+
+    def backward(self) -> None:
+        """Carry the gradients accumulated on the prefix's states and logits through the prefix pass."""
+        pairs = [(root, leaf.grad) for root, leaf in zip(self._roots, self._leaves) if leaf.grad is not None]
+        if pairs:
+            torch.autograd.backward([r for r, _ in pairs], [g for _, g in pairs])
+        self._roots, self._leaves, self._states = [], [], []
+
+
+# --- per-model probe ---------------------------------------------------------------------------------------------
+
+_PROBE_REMAINDERS = ((4, 2), (1,))  # two chunks: right padding, and a single one-token remainder
+
+
+def probe(model: nn.Module, forward: Forward, token_logprobs, vocab_size: int) -> str | None:
+    """None if the shared path reproduces the unshared one on this model (logprobs and input gradients), else why.
+
+    Runs on a few random tokens (milliseconds). The prefix is longer than a small sliding window, so the window
+    edge is crossed. Parameters are frozen meanwhile; a zero offset added to the input embeddings carries the
+    gradient, which must flow through the cached states exactly as through the full sequences.
+    """
+    config = model.config
+    unsupported = supports_cache_layers(config)
+    if unsupported:
+        return f"cache layer {unsupported} is not handled"
+    window = getattr(config.get_text_config(), "sliding_window", None) or 0
+    prefix_len = min(max(7, window + 3), 64)
+    dtype = next(model.parameters()).dtype
+    device = next(model.parameters()).device
+    tol = 1e-4 if dtype == torch.float32 else 0.25
+    gen = torch.Generator().manual_seed(0)
+    low = min(3, vocab_size - 1)
+    prefix = torch.randint(low, vocab_size, (prefix_len,), generator=gen)
+    chunks = [[torch.randint(low, vocab_size, (n,), generator=gen) for n in lengths] for lengths in _PROBE_REMAINDERS]
+    flags = {p: p.requires_grad for p in model.parameters()}
+    offset = torch.zeros(model.get_input_embeddings().embedding_dim, device=device, dtype=dtype, requires_grad=True)
+    hook = model.get_input_embeddings().register_forward_hook(lambda mod, args, out: out + offset)
+    try:
+        for p in flags:
+            p.requires_grad_(False)
+        shared_lp, shared_grad = _probe_shared(model, forward, token_logprobs, prefix, chunks, offset, device)
+        full_lp, full_grad = _probe_unshared(forward, token_logprobs, prefix, chunks, offset, device)
+    except Exception as exc:  # noqa: BLE001 - any failure of the shared path means: do not take it
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        hook.remove()
+        for p, flag in flags.items():
+            p.requires_grad_(flag)
+    lp_gap = float((shared_lp - full_lp).abs().max())
+    grad_gap = float((shared_grad - full_grad).abs().max() / full_grad.abs().max().clamp(min=1e-12))
+    if lp_gap > tol or grad_gap > tol * 10:
+        return f"results differ from the unshared path (logprobs by {lp_gap:.2e}, gradients by {grad_gap:.2e})"
+    return None
+
+
+def _probe_rows(prefix, chunk):
+    """Full sequences of a probe chunk and their targets (each sequence rolled by one: any fixed targets do)."""
+    seqs = [torch.cat([prefix, r]) for r in chunk]
+    return seqs, [torch.roll(s, -1) for s in seqs]
+
+
+def _padded(rows, device):
+    length = max(len(r) for r in rows)
+    ids = torch.zeros((len(rows), length), dtype=torch.long)
+    attention = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)], attention[i, :len(r)] = r, 1
+    return ids.to(device), attention.to(device)
+
+
+def _weighted_sum(rows: list[torch.Tensor]) -> torch.Tensor:
+    return sum((row * torch.linspace(0.5, 1.5, len(row)).to(row)).sum() for row in rows)
+
+
+def _probe_shared(model, forward, token_logprobs, prefix, chunks, offset, device):
+    n = len(prefix)
+    shared = SharedPrefix(forward, model.config, _cache_kwarg(model), prefix.to(device))
+    out = []
+    for chunk in chunks:
+        seqs, targets = _probe_rows(prefix, chunk)
+        ids, attention = _padded([s[n:] for s in seqs], device)
+        rest_targets, _ = _padded([t[n:] for t in targets], device)
+        prefix_targets = torch.stack([t[:n] for t in targets]).to(device)
+        lp = torch.cat([token_logprobs(shared.logits, prefix_targets),
+                        token_logprobs(shared.remainder_logits(ids, attention), rest_targets)], dim=1)
+        rows = [lp[i, :len(s)] for i, s in enumerate(seqs)]
+        _weighted_sum(rows).backward()
+        out.extend(row.detach() for row in rows)
+    shared.backward()
+    grad = offset.grad.clone()
+    offset.grad = None
+    return torch.cat(out).float(), grad.float()
+
+
+def _probe_unshared(forward, token_logprobs, prefix, chunks, offset, device):
+    out = []
+    for chunk in chunks:
+        seqs, targets = _probe_rows(prefix, chunk)
+        ids, attention = _padded(seqs, device)
+        target_ids, _ = _padded(targets, device)
+        lp = token_logprobs(forward(input_ids=ids, attention_mask=attention, use_cache=False), target_ids)
+        rows = [lp[i, :len(s)] for i, s in enumerate(seqs)]
+        _weighted_sum(rows).backward()
+        out.extend(row.detach() for row in rows)
+    grad = offset.grad.clone()
+    offset.grad = None
+    return torch.cat(out).float(), grad.float()
