@@ -9,8 +9,10 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import logging
 import secrets
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 import torch
@@ -19,12 +21,15 @@ from torch import nn
 from pytrio_compat.types import AdamParams
 from pytrio_compat.wire import LoraSpec
 
-from . import losses, model_support
+from . import losses, model_support, prefix_sharing
 from .errors import WorkerError, bad_request
 from .model_loading import load_model_and_tokenizer
 
+logger = logging.getLogger("server_mock")
+
 LORA_ALPHA = 32  # fixed alpha: the effective scale is alpha / rank, as in most LoRA RL setups
 MICRO_BATCH_TOKENS = 2048  # padded tokens per forward pass; bounds the (B, T, V) logits in memory
+PREFIX_SHARE_MIN_TOKENS = 32
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,8 @@ class TrainOptions:
     autocast_bf16: bool = False
     activation_checkpointing: bool = False
     float32_head: bool = True  # the output head in float32 in the sampler and the trainer (see model_support)
+    # datums of one call sharing at least this many leading tokens run them once (prefix_sharing.py); 0 = never
+    prefix_share_min_tokens: int = PREFIX_SHARE_MIN_TOKENS
 
 
 @dataclass
@@ -97,6 +104,7 @@ class ModelHost:
         if options.activation_checkpointing:
             # recompute activations in backward: memory falls with sequence length x layers, time rises ~30%
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.prefix_sharing = self._probe_prefix_sharing()
         self.peft = None
         self.adapters: dict[str, Adapter] = {}
         self._slots: dict[str, str] = {}  # sampler slot adapter name -> snapshot id loaded in it
@@ -170,64 +178,79 @@ class ModelHost:
 
     def _forward_backward(self, adapter: Adapter, data: list[dict[str, np.ndarray]], loss_fn: str,
                           config: dict[str, float], backward: bool) -> dict:
-        outputs: list[dict[str, np.ndarray] | None] = [None] * len(data)
-        loss_sum = 0.0
-        token_count = 0
-        for batch in _micro_batches([len(d["tokens"]) for d in data], self.options.micro_batch_tokens):
-            with torch.set_grad_enabled(backward):
-                logprobs = self._target_logprobs([data[i] for i in batch])
-                total = None
-                for row, index in enumerate(batch):
-                    datum = data[index]
-                    n = len(datum["tokens"])
-                    inputs = {k: torch.from_numpy(v).to(self.device) for k, v in datum.items() if k != "tokens"}
-                    result = losses.compute_loss(loss_fn, logprobs[row, :n], inputs, config)
-                    if not torch.isfinite(result.loss):
-                        raise WorkerError(422, "non_finite_loss",
-                                          f"data[{index}]: the loss is not finite; check logprobs/advantages", "data")
-                    total = result.loss if total is None else total + result.loss
-                    loss_sum += float(result.loss.detach())
-                    token_count += result.token_count
-                    mask = inputs["target_tokens"] != losses.IGNORE_INDEX
-                    lp = torch.where(mask, logprobs[row, :n].detach(), torch.zeros_like(logprobs[row, :n]))
-                    outputs[index] = {"logprobs": lp.float().cpu().numpy(),
-                                      "elementwise_loss": result.elementwise.float().cpu().numpy()}
-                if backward and total is not None and total.requires_grad:
-                    total.backward()
-        metrics = {
-            "loss_sum": loss_sum,
-            "loss_mean": loss_sum / token_count if token_count else 0.0,
-            "token_count": float(token_count),
-            "loss:sum": loss_sum,
-        }
-        return {"outputs": outputs, "metrics": metrics}
+        results = _Results(data, loss_fn, config, self.device)
+        lengths = [len(d["tokens"]) for d in data]
+        budget = self.options.micro_batch_tokens
+        groups = []
+        if self.prefix_sharing:
+            groups = prefix_sharing.find_groups([d["tokens"] for d in data], self.options.prefix_share_min_tokens)
+        with torch.set_grad_enabled(backward):
+            for group in groups:
+                shared = prefix_sharing.SharedPrefix(
+                    partial(self._logits, self.peft), self.model.config, self._cache_kwarg,
+                    torch.from_numpy(data[group.members[0]]["tokens"][:group.prefix_len]).to(self.device))
+                for chunk in prefix_sharing.chunk_group(group, lengths, budget):
+                    results.add(chunk, self._shared_logprobs(shared, [data[i] for i in chunk]), backward)
+                if backward:
+                    shared.backward()
+                del shared
+            grouped = {i for g in groups for i in g.members}
+            rest = [i for i in range(len(data)) if i not in grouped]
+            for batch in _micro_batches([lengths[i] for i in rest], budget):
+                batch = [rest[i] for i in batch]
+                results.add(batch, self._target_logprobs([data[i] for i in batch]), backward)
+        return results.summary()
 
     def _target_logprobs(self, rows: list[dict[str, np.ndarray]]) -> torch.Tensor:
         """float32 logprob of each target token, [B, T] (0 where the target is ignored or padding)."""
-        longest = max(len(r["tokens"]) for r in rows)
-        ids = torch.zeros((len(rows), longest), dtype=torch.long)
-        targets = torch.zeros((len(rows), longest), dtype=torch.long)
-        attention = torch.zeros((len(rows), longest), dtype=torch.long)
-        for i, r in enumerate(rows):
-            n = len(r["tokens"])
-            ids[i, :n] = torch.from_numpy(r["tokens"])
-            t = torch.from_numpy(r["target_tokens"])
-            targets[i, :n] = torch.where(t == losses.IGNORE_INDEX, torch.zeros_like(t), t)
-            attention[i, :n] = 1
-        ids, targets, attention = ids.to(self.device), targets.to(self.device), attention.to(self.device)
+        ids, attention = _padded([r["tokens"] for r in rows], self.device)
+        targets, _ = _padded([_targets(r) for r in rows], self.device)
+        return token_logprobs(self._logits(self.peft, input_ids=ids, attention_mask=attention, use_cache=False),
+                              targets)
+
+    def _shared_logprobs(self, shared: prefix_sharing.SharedPrefix, rows: list[dict[str, np.ndarray]]) -> torch.Tensor:
+        """Like ``_target_logprobs``, for rows that all start with ``shared``'s prefix."""
+        n = shared.prefix_len
+        ids, attention = _padded([r["tokens"][n:] for r in rows], self.device)
+        targets, _ = _padded([_targets(r)[n:] for r in rows], self.device)
+        prefix_targets = torch.from_numpy(np.stack([_targets(r)[:n] for r in rows])).to(self.device)
+        return torch.cat([token_logprobs(shared.logits, prefix_targets),
+                          token_logprobs(shared.remainder_logits(ids, attention), targets)], dim=1)
+
+    def _logits(self, model: nn.Module, **inputs) -> torch.Tensor:
+        """The model's logits for ``inputs``, under the configured autocast and activation checkpointing."""
         checkpointing = self.options.activation_checkpointing and torch.is_grad_enabled()
         if checkpointing:
-            self.peft.train()  # transformers only checkpoints in train mode; LoRA dropout is 0 here
+            model.train()  # transformers only checkpoints in train mode; LoRA dropout is 0 here
         try:
-            with torch.autocast(device_type=ids.device.type, dtype=torch.bfloat16,
+            with torch.autocast(device_type=torch.device(self.device).type, dtype=torch.bfloat16,
                                 enabled=self.options.autocast_bf16):
-                logits = self.peft(input_ids=ids, attention_mask=attention, use_cache=False).logits
+                return model(**inputs).logits
         finally:
             if checkpointing:
-                self.peft.eval()
-        # cross_entropy on float32 logits = -log_softmax at the target, without a second (B, T, V) tensor
-        flat = logits.float().reshape(-1, logits.shape[-1])
-        return -nn.functional.cross_entropy(flat, targets.reshape(-1), reduction="none").reshape(targets.shape)
+                model.eval()
+
+    def _probe_prefix_sharing(self) -> bool:
+        """Whether forward/backward may share prefixes on this model: decided once, on a few random tokens."""
+        if self.options.prefix_share_min_tokens <= 0:
+            return False
+        model_type = getattr(self.model.config, "model_type", type(self.model).__name__)
+        self._cache_kwarg = prefix_sharing._cache_kwarg(self.model)
+        if self.options.activation_checkpointing:
+            # The shared path's caches store nothing and return the same states when a checkpointed layer is run
+            # again in backward, so layers may keep their cache under checkpointing.
+            for module in self.model.modules():
+                if hasattr(module, "_can_checkpoint_with_cache"):
+                    module._can_checkpoint_with_cache = True
+        why_not = prefix_sharing.probe(self.model, partial(self._logits, self.model), token_logprobs,
+                                       self.vocab_size)
+        if why_not:
+            logger.warning("model type %s: forward/backward does not share prompt prefixes (%s); every datum runs "
+                           "its full sequence (correct, slower)", model_type, why_not)
+            return False
+        logger.info("model type %s: forward/backward runs prefixes shared by >= %d tokens once", model_type,
+                    self.options.prefix_share_min_tokens)
+        return True
 
     # --- optimizer --------------------------------------------------------------------------------------
 
@@ -391,3 +414,72 @@ def _micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
     if current:
         batches.append(current)
     return batches
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """float32 log-probability of each target token: logits [B, T, V] (or [1, T, V], shared by every row) and
+    targets [B, T] -> [B, T]. No second (B, T, V) tensor in the forward pass."""
+    logits = logits.float()
+    norm = torch.logsumexp(logits, dim=-1)
+    if logits.shape[0] == targets.shape[0]:
+        picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    else:  # one row of logits for every target row: index it rather than copy it per row
+        picked = logits[0, torch.arange(targets.shape[1], device=targets.device), targets]
+    return picked - norm
+
+
+def _targets(datum: dict[str, np.ndarray]) -> np.ndarray:
+    """The datum's target tokens with ignored positions (-100) pointing at token 0 (masked by the loss)."""
+    t = datum["target_tokens"]
+    return np.where(t == losses.IGNORE_INDEX, 0, t).astype(np.int64)
+
+
+def _padded(rows: list[np.ndarray], device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded token rows [B, T] and their attention mask."""
+    longest = max(len(r) for r in rows)
+    ids = torch.zeros((len(rows), longest), dtype=torch.long)
+    attention = torch.zeros((len(rows), longest), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = torch.from_numpy(np.asarray(r, dtype=np.int64))
+        attention[i, :len(r)] = 1
+    return ids.to(device), attention.to(device)
+
+
+class _Results:
+    """Per-datum losses, logprobs and the call's metrics, filled one micro-batch at a time."""
+
+    def __init__(self, data: list[dict[str, np.ndarray]], loss_fn: str, config: dict[str, float], device: str):
+        self.data, self.loss_fn, self.config, self.device = data, loss_fn, config, device
+        self.outputs: list[dict[str, np.ndarray] | None] = [None] * len(data)
+        self.loss_sum = 0.0
+        self.token_count = 0
+
+    def add(self, indices: list[int], logprobs: torch.Tensor, backward: bool) -> None:
+        """Losses of the datums ``indices`` (row i of ``logprobs`` is datum indices[i]); backward of their sum."""
+        total = None
+        for row, index in enumerate(indices):
+            datum = self.data[index]
+            n = len(datum["tokens"])
+            inputs = {k: torch.from_numpy(v).to(self.device) for k, v in datum.items() if k != "tokens"}
+            result = losses.compute_loss(self.loss_fn, logprobs[row, :n], inputs, self.config)
+            if not torch.isfinite(result.loss):
+                raise WorkerError(422, "non_finite_loss",
+                                  f"data[{index}]: the loss is not finite; check logprobs/advantages", "data")
+            total = result.loss if total is None else total + result.loss
+            self.loss_sum += float(result.loss.detach())
+            self.token_count += result.token_count
+            mask = inputs["target_tokens"] != losses.IGNORE_INDEX
+            lp = torch.where(mask, logprobs[row, :n].detach(), torch.zeros_like(logprobs[row, :n]))
+            self.outputs[index] = {"logprobs": lp.float().cpu().numpy(),
+                                   "elementwise_loss": result.elementwise.float().cpu().numpy()}
+        if backward and total is not None and total.requires_grad:
+            total.backward()
+
+    def summary(self) -> dict:
+        metrics = {
+            "loss_sum": self.loss_sum,
+            "loss_mean": self.loss_sum / self.token_count if self.token_count else 0.0,
+            "token_count": float(self.token_count),
+            "loss:sum": self.loss_sum,
+        }
+        return {"outputs": self.outputs, "metrics": metrics}
