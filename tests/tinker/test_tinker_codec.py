@@ -1,5 +1,5 @@
-"""The worker's hand-written Tinker protobuf codec against the official SDK's generated code, and the
-per-model seq_id gate. No worker process: these run in milliseconds."""
+"""The worker's Tinker protobuf codec (its own schema, the protobuf runtime) against the official SDK's
+generated code, and the per-model seq_id gate. No worker process: these run in milliseconds."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from tinker.proto.response_conv import (
 from server_mock import tinker_proto
 from server_mock.errors import WorkerError
 from server_mock.tinker_api import tinker_message, tinker_metrics, to_tinker_path, to_trio_path
-from server_mock.tinker_futures import SeqGate
+from server_mock.tinker_gate import SeqGate
 
 
 def _official_request(loss_fn_config=None, seq_id=3) -> bytes:
@@ -42,7 +42,6 @@ def _official_request(loss_fn_config=None, seq_id=3) -> bytes:
 
 def test_decodes_the_official_forward_backward_request():
     raw = _official_request({"clip_low_threshold": 0.75, "clip_high_threshold": 1.25, "loss_id": "abc"})
-    assert tinker_proto.peek_ids(raw) == ("sess-x:train:0", 3)
     req = tinker_proto.decode_forward_backward_request(raw)
     assert (req.model_id, req.seq_id, req.loss_fn, req.forward_only) == ("sess-x:train:0", 3, "ppo", False)
     assert req.loss_fn_config == {"clip_low_threshold": 0.75, "clip_high_threshold": 1.25, "loss_id": "abc"}

@@ -1,0 +1,166 @@
+"""Tinker routes that train a model: ``forward_backward`` (a protobuf body) and ``optim_step``, and
+the seq_id-ordered hand-over to the service that every training-model operation goes through.
+
+A forward_backward body is parsed, checked and turned into the service's op in a worker thread, so
+the event loop never decodes, copies or base64-encodes tensors; the raw body is dropped as soon as it
+has been decoded. Results are encoded to protobuf in a thread too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
+
+from pytrio_compat.types import AdamParams
+from pytrio_compat.types.tensor import WireTensor
+from pytrio_compat.wire import ForwardOp, OptimStepOp, TrainingOp, WireDatum
+
+from . import tinker_proto as proto
+from .errors import WorkerError, bad_request
+from .tinker_futures import job_result, raise_
+from .tinker_http import digest, field, read_body, read_json_sized
+from .tinker_paths import tinker_metrics
+from .tinker_state import TinkerModel, TinkerState
+
+DATUM_OVERHEAD_BYTES = 256  # counted per datum on top of its tensors while a request waits
+
+
+def submit_op(state: TinkerState, model: TinkerModel, tenant: str, payload, body_digest: str,
+              convert: Callable[[dict], Any] | None) -> Awaitable[Any]:
+    """Hand one op to the service, after its predecessors; the awaitable of its result.
+
+    An invalid op's awaitable raises its error. Only a full queue (429) raises here.
+    """
+    service = state.service
+    try:
+        run = service.get_run(model.run_id, tenant)
+        op = TrainingOp(seq_id=run.last_seq + 1, payload=payload() if callable(payload) else payload)
+        accepted = service.submit_op(model.run_id, op, body_digest, tenant)
+        job = service.requests.get(accepted.request_id, tenant)
+    except WorkerError as exc:
+        if exc.status == 429:
+            raise
+        return raise_(exc)
+    except Exception as exc:  # noqa: BLE001
+        return raise_(exc)
+    return job_result(job, convert)
+
+
+def gated(state: TinkerState, tenant: str, model: TinkerModel, seq_id: Any, body_digest: str, payload,
+          convert: Callable[[dict], Any] | None, size: int) -> dict:
+    """Admit one operation of ``model`` in seq_id order; its future's id. ``size``: the bytes it keeps
+    while it waits for an earlier seq_id."""
+    if isinstance(seq_id, bool) or not isinstance(seq_id, int):
+        raise bad_request("seq_id", "required: an integer")
+    request_id = model.gate.admit(
+        seq_id, body_digest, lambda: submit_op(state, model, tenant, payload, body_digest, convert),
+        lambda work: state.futures.add_guarded(tenant, work),
+        lambda message: state.futures.add_failed(tenant, bad_request("seq_id", message, code="seq_id_conflict")),
+        size)
+    return {"request_id": request_id, "model_id": model.model_id}
+
+
+# --- forward_backward ---------------------------------------------------------------------------------
+
+
+@dataclass
+class DecodedForward:
+    model_id: str
+    seq_id: int
+    digest: str
+    op: ForwardOp | None = None
+    error: proto.ProtoError | None = None
+    size: int = 0
+
+
+def decode_forward(raw: bytes, budget: proto.ElementBudget) -> DecodedForward:
+    """Runs in a thread: the checked op of a ForwardBackwardRequest body, or why it is refused.
+
+    A body that is not a ForwardBackwardRequest at all raises; one that is, but carries bad data,
+    comes back with ``error`` set, so its seq_id can still be used up in order."""
+    message = proto.parse_forward_backward_request(raw)
+    out = DecodedForward(message.model_id, message.seq_id, digest(raw))
+    try:
+        req = proto.decode_forward_backward_request(message, budget)
+        data = [WireDatum(tokens=WireTensor.from_array(d.tokens),
+                          loss_fn_inputs={k: WireTensor.from_array(v) for k, v in d.loss_fn_inputs.items()})
+                for d in req.data]
+    except proto.ProtoError as exc:
+        out.error = exc
+        return out
+    out.op = ForwardOp(op="forward" if req.forward_only else "forward_backward", loss_fn=req.loss_fn,
+                       loss_fn_config=req.loss_fn_config, data=data)
+    out.size = sum(DATUM_OVERHEAD_BYTES + len(d.tokens.b64) + sum(len(t.b64) for t in d.loss_fn_inputs.values())
+                   for d in data)
+    return out
+
+
+def encode_forward_result(result: dict) -> bytes:
+    outputs = [{k: WireTensor.model_validate(v).to_array() for k, v in o.items()}
+               for o in result.get("loss_fn_outputs", [])]
+    return proto.encode_forward_backward_output(outputs, tinker_metrics(result.get("metrics", {})))
+
+
+async def forward_result(result: dict) -> bytes:
+    return await asyncio.to_thread(encode_forward_result, result)
+
+
+async def forward_backward(state: TinkerState, request: Request, tenant: str):
+    raw = await read_body(request, state.body_limit)
+    ctype = request.headers.get("content-type", "")
+    if "protobuf" not in ctype and raw[:1] == b"{":
+        raise WorkerError(415, "unsupported_media_type", "forward_backward takes a protobuf body "
+                                                         "(application/x-protobuf), as tinker >= 0.25 sends")
+    try:
+        decoded = await asyncio.to_thread(decode_forward, raw, state.element_budget())
+    except proto.ProtoError as exc:
+        raise WorkerError(400, "invalid_protobuf", str(exc), exc.field) from None
+    del raw
+    model = state.model(decoded.model_id, tenant)
+    error = decoded.error
+    if error is None:
+        return gated(state, tenant, model, decoded.seq_id, decoded.digest, decoded.op, forward_result, decoded.size)
+    # Refused: the seq_id is used up by a failed future, so the model's later requests are not held
+    # back waiting for it, and the request itself is answered with the reason.
+    code = "request_too_large" if error.status == 413 else "invalid_protobuf"
+    refusal = WorkerError(error.status, code, str(error), error.field)
+    gated(state, tenant, model, decoded.seq_id, decoded.digest, lambda: _raise_now(refusal), None, 0)
+    raise refusal
+
+
+def _raise_now(exc: BaseException):
+    raise exc
+
+
+# --- optim_step ---------------------------------------------------------------------------------------
+
+
+def _adam_params(body: dict) -> OptimStepOp:
+    params = body.get("adam_params") or body.get("optim_params")
+    other = body.get("optimizer_params")
+    if params is None and isinstance(other, dict) and other.get("type") not in (None, "adam", "adamw"):
+        raise bad_request("optimizer_params.type", f"{other.get('type')!r} is not supported; this worker "
+                                                   "trains with adamw only")
+    params = params or other or {}
+    if not isinstance(params, dict):
+        raise bad_request("adam_params", "must be an object")
+    known = AdamParams.model_fields
+    return OptimStepOp(adam_params=AdamParams(**{k: v for k, v in params.items() if k in known}))
+
+
+def _optim_metrics(result: dict) -> dict:
+    m = result.get("metrics", {})
+    metrics = {"grad_norm:mean": m.get("grad_norm"), "learning_rate:mean": m.get("learning_rate"),
+               "step:max": m.get("step")}
+    return {"metrics": {k: float(v) for k, v in metrics.items() if v is not None}}
+
+
+async def optim_step(state: TinkerState, request: Request, tenant: str):
+    body, size = await read_json_sized(request, state.body_limit)
+    model = state.model(field(body, "model_id", str), tenant)
+    return gated(state, tenant, model, body.get("seq_id"), digest(body), lambda: _adam_params(body), _optim_metrics,
+                 size)
