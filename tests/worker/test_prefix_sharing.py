@@ -1,0 +1,250 @@
+"""Prefix-shared forward/backward gives the unshared results: logprobs, losses, gradients, weights after a step.
+
+Each test runs the same batch on two hosts of the same tiny model, one sharing prefixes and one not, and
+compares. The batches hold GRPO-like groups (several completions of one prompt) whose prompt positions carry
+non-zero weights / advantages, plus datums that share nothing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pytrio_compat.types import AdamParams
+from pytrio_compat.wire import LoraSpec
+from server_mock import prefix_sharing
+from server_mock.losses import LOSS_FUNCTIONS
+from server_mock.tiny_model import TINY_FAMILIES, make_tiny_model
+from server_mock.training import ModelHost, TrainOptions
+
+TOL = 1e-5
+
+
+# --- grouping -------------------------------------------------------------------------------------------------
+
+def test_groups_follow_the_shared_prompts():
+    rng = np.random.default_rng(0)
+    p1, p2 = rng.integers(3, 500, 40), rng.integers(3, 500, 40)
+    seqs = [np.concatenate([p, rng.integers(3, 500, n)]) for p, n in ((p1, 5), (p2, 7), (p1, 3), (p2, 1), (p1, 9))]
+    seqs.append(rng.integers(3, 500, 50))  # shares nothing
+    seqs.append(p1[:20].copy())  # shares only 19 tokens with p1's group (at least one token must stay after it)
+    groups = prefix_sharing.find_groups(seqs, min_tokens=32)
+    assert {(g.prefix_len, tuple(sorted(g.members))) for g in groups} == {(40, (0, 2, 4)), (40, (1, 3))}
+    assert prefix_sharing.find_groups(seqs, min_tokens=0) == []
+    assert prefix_sharing.find_groups(seqs, min_tokens=41) == []
+
+
+def test_groups_choose_the_grouping_that_saves_most_tokens():
+    """Two prompts that share a 32-token system prompt: one group per prompt saves more than one big group."""
+    rng = np.random.default_rng(1)
+    system = rng.integers(3, 500, 32)
+    a, b = np.concatenate([system, rng.integers(3, 500, 60)]), np.concatenate([system, rng.integers(3, 500, 60)])
+    seqs = [np.concatenate([p, rng.integers(3, 500, 4)]) for p in (a, a, a, b, b, b)]
+    groups = prefix_sharing.find_groups(seqs, min_tokens=16)
+    assert sorted((g.prefix_len, sorted(g.members)) for g in groups) == [(92, [0, 1, 2]), (92, [3, 4, 5])]
+    # identical sequences: the prefix stops one token short, so each still predicts something
+    same = [np.arange(3, 40)] * 3
+    assert prefix_sharing.find_groups(same, min_tokens=8)[0].prefix_len == 36
+
+
+def test_chunks_fit_the_budget_after_the_prefix():
+    group = prefix_sharing.PrefixGroup(prefix_len=100, members=(0, 1, 2, 3, 4))
+    lengths = [110, 130, 105, 120, 140]  # remainders 10, 30, 5, 20, 40
+    chunks = prefix_sharing.chunk_group(group, lengths, budget=160)  # 60 padded remainder tokens per chunk
+    assert chunks == [[2, 0, 3], [1], [4]]
+    assert prefix_sharing.chunk_group(group, lengths, budget=50) == [[2], [0], [3], [1], [4]]  # one row at least
+
+
+# --- exactness ------------------------------------------------------------------------------------------------
+
+def make_host(model_dir, share: bool, **options) -> ModelHost:
+    return ModelHost("tiny", str(model_dir), "cpu", torch.float32, 1024,
+                     TrainOptions(prefix_share_min_tokens=16 if share else 0, **options))
+
+
+def make_adapter(host: ModelHost):
+    adapter = host.create_adapter("run", LoraSpec(rank=4, seed=3, train_unembed=True))
+    generator = torch.Generator().manual_seed(0)
+    for p in adapter.params.values():  # non-zero B, so every LoRA weight gets a gradient
+        p.data.copy_(torch.randn(p.shape, generator=generator) * 0.05)
+    return adapter
+
+
+def grpo_batch(loss_fn: str, seed: int = 0, group_sizes=(4, 3), prompt_len: int = 30) -> list[dict]:
+    """Groups of completions of one prompt each, plus one unrelated datum; prompt positions weighted too."""
+    rng = np.random.default_rng(seed)
+    sequences = []
+    for size in group_sizes:
+        prompt = rng.integers(3, 500, prompt_len)
+        sequences += [np.concatenate([prompt, rng.integers(3, 500, int(rng.integers(1, 12)))]) for _ in range(size)]
+    sequences.append(rng.integers(3, 500, 25))
+    data = []
+    for seq in sequences:
+        n = len(seq) - 1
+        datum = {"tokens": seq[:-1].astype(np.int64), "target_tokens": seq[1:].astype(np.int64)}
+        datum["target_tokens"][rng.random(n) < 0.1] = -100
+        if loss_fn == "cross_entropy":
+            datum["weights"] = rng.uniform(0.2, 1.0, n).astype(np.float32)
+        else:
+            datum["logprobs"] = rng.uniform(-7, -5, n).astype(np.float32)
+            datum["advantages"] = rng.normal(0, 1, n).astype(np.float32)
+        data.append(datum)
+    return data
+
+
+CONFIGS = {"cross_entropy": {}, "importance_sampling": {}, "dro": {"beta": 0.05},
+           "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+           "cispo": {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}}
+
+
+def train_step(host: ModelHost, data, loss_fn: str, backward: bool = True):
+    adapter = make_adapter(host)
+    out = host.forward_backward(adapter, data, loss_fn, CONFIGS[loss_fn], backward=backward)
+    grads = {n: p.grad.clone() for n, p in adapter.params.items() if p.grad is not None}
+    step = host.optim_step(adapter, AdamParams(learning_rate=1e-2)) if backward else None
+    weights = {n: p.detach().clone() for n, p in adapter.params.items()}
+    host.delete_adapter(adapter.adapter_id)
+    return out, grads, step, weights
+
+
+def assert_same(shared, plain, backward: bool = True):
+    (out_s, grads_s, step_s, w_s), (out_p, grads_p, step_p, w_p) = shared, plain
+    for a, b in zip(out_s["outputs"], out_p["outputs"]):
+        np.testing.assert_allclose(a["logprobs"], b["logprobs"], atol=TOL, rtol=0)
+        np.testing.assert_allclose(a["elementwise_loss"], b["elementwise_loss"], atol=TOL, rtol=0)
+    assert out_s["metrics"]["loss:sum"] == pytest.approx(out_p["metrics"]["loss:sum"], rel=TOL, abs=TOL)
+    assert out_s["metrics"]["token_count"] == out_p["metrics"]["token_count"]
+    if not backward:
+        assert not grads_s and not grads_p
+        return
+    assert set(grads_s) == set(grads_p) and grads_p
+    for name in grads_p:
+        scale = float(grads_p[name].abs().max())
+        assert float((grads_s[name] - grads_p[name]).abs().max()) <= TOL * max(scale, 1.0), name
+    assert step_s["grad_norm"] == pytest.approx(step_p["grad_norm"], rel=TOL)
+    assert max(float((w_s[n] - w_p[n]).abs().max()) for n in w_p) <= TOL
+
+
+class Spy:
+    """Counts shared prefixes and remainder passes (wraps the real methods; results unchanged)."""
+
+    def __init__(self, monkeypatch):
+        self.prefixes, self.chunks = [], []
+        init, remainder = prefix_sharing.SharedPrefix.__init__, prefix_sharing.SharedPrefix.remainder_logits
+        spy = self
+
+        def counting_init(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            spy.prefixes.append(self.prefix_len)
+
+        def counting_remainder(self, ids, attention):
+            spy.chunks.append(tuple(ids.shape))
+            return remainder(self, ids, attention)
+        monkeypatch.setattr(prefix_sharing.SharedPrefix, "__init__", counting_init)
+        monkeypatch.setattr(prefix_sharing.SharedPrefix, "remainder_logits", counting_remainder)
+
+
+@pytest.fixture(scope="module")
+def hosts(tiny_model_dir):
+    return make_host(tiny_model_dir, share=True), make_host(tiny_model_dir, share=False)
+
+
+@pytest.mark.parametrize("loss_fn", LOSS_FUNCTIONS)
+def test_every_loss_matches_the_unshared_path(hosts, loss_fn, monkeypatch):
+    shared_host, plain_host = hosts
+    assert shared_host.prefix_sharing and not plain_host.prefix_sharing
+    spy = Spy(monkeypatch)
+    data = grpo_batch(loss_fn)
+    shared = train_step(shared_host, data, loss_fn)
+    # each group's prompt ran once (29 where a datum's tokens are the prompt alone: one token must follow)
+    assert len(spy.prefixes) == 2 and set(spy.prefixes) <= {29, 30}
+    assert_same(shared, train_step(plain_host, data, loss_fn))
+    assert len(spy.prefixes) == 2  # the plain host never shares
+
+
+def test_forward_without_backward_matches(hosts, monkeypatch):
+    spy = Spy(monkeypatch)
+    data = grpo_batch("importance_sampling", seed=2)
+    shared = train_step(hosts[0], data, "importance_sampling", backward=False)
+    assert len(spy.prefixes) == 2
+    assert_same(shared, train_step(hosts[1], data, "importance_sampling", backward=False), backward=False)
+
+
+def test_logprobs_match_an_independent_forward_pass(hosts):
+    """Each datum alone through the PEFT model (batch 1, no padding, no cache), log_softmax in float64."""
+    host = hosts[0]
+    data = grpo_batch("cross_entropy", seed=3)
+    adapter = make_adapter(host)
+    out = host.forward_backward(adapter, data, "cross_entropy", {}, backward=False)
+    with torch.no_grad():
+        for datum, result in zip(data, out["outputs"]):
+            logits = host.peft(input_ids=torch.from_numpy(datum["tokens"])[None]).logits[0].double()
+            targets = torch.from_numpy(np.where(datum["target_tokens"] < 0, 0, datum["target_tokens"]))
+            expected = torch.log_softmax(logits, -1).gather(-1, targets[:, None])[:, 0].numpy()
+            expected[datum["target_tokens"] < 0] = 0
+            np.testing.assert_allclose(result["logprobs"], expected, atol=TOL)
+
+
+def test_micro_batches_split_groups(tiny_model_dir, hosts, monkeypatch):
+    """A budget of 60 tokens: a 30-token prompt leaves 30 per chunk, so a group of 6 runs in several chunks
+    against its one prefix pass, and the group is larger than any one micro-batch."""
+    host = make_host(tiny_model_dir, share=True, micro_batch_tokens=60)
+    spy = Spy(monkeypatch)  # after the load-time probe
+    data = grpo_batch("ppo", seed=4, group_sizes=(6, 2))
+    shared = train_step(host, data, "ppo")
+    assert len(spy.prefixes) == 2
+    assert len(spy.chunks) > 2 and all(rows * length <= 30 or rows == 1 for rows, length in spy.chunks)
+    assert_same(shared, train_step(hosts[1], data, "ppo"))
+
+
+def test_activation_checkpointing_matches(tiny_model_dir, hosts, monkeypatch):
+    host = make_host(tiny_model_dir, share=True, activation_checkpointing=True)
+    assert host.prefix_sharing
+    spy = Spy(monkeypatch)
+    data = grpo_batch("cispo", seed=5)
+    shared = train_step(host, data, "cispo")
+    assert len(spy.prefixes) == 2
+    assert_same(shared, train_step(hosts[1], data, "cispo"))
+
+
+def test_sharing_off_when_disabled(tiny_model_dir, monkeypatch):
+    spy = Spy(monkeypatch)
+    host = make_host(tiny_model_dir, share=False)  # no probe either
+    train_step(host, grpo_batch("cross_entropy"), "cross_entropy")
+    assert not host.prefix_sharing and spy.prefixes == []
+
+
+# --- model families ----------------------------------------------------------------------------------------------
+
+# Which path each family takes: every cache kind the worker serves can share (full attention, sliding window
+# shorter than the prompt, linear attention + conv states, short conv, experts).
+SHARES = {"qwen2": True, "llama": True, "mistral": True, "qwen3": True, "gemma3": True, "qwen3_moe": True,
+          "qwen3_5": True, "lfm2": True}
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_each_family_takes_its_path_and_matches(family, tmp_path, monkeypatch):
+    model_dir = make_tiny_model(tmp_path / family, arch=family, seed=1)
+    shared_host = make_host(model_dir, share=True)
+    assert shared_host.prefix_sharing is SHARES[family]
+    spy = Spy(monkeypatch)  # after the load-time probe
+    data = grpo_batch("importance_sampling", seed=6)
+    shared = train_step(shared_host, data, "importance_sampling")
+    assert len(spy.prefixes) == (2 if SHARES[family] else 0)
+    assert_same(shared, train_step(make_host(model_dir, share=False), data, "importance_sampling"))
+
+
+def test_probe_rejects_a_path_that_is_not_exact(tiny_model_dir, monkeypatch, caplog):
+    """A shared path whose remainder positions are one too far must be caught at load and not taken."""
+    def shifted(self, ids, attention):
+        rows, length = ids.shape
+        cache = prefix_sharing._replay_cache(self._config, self._states, self.prefix_len, rows)
+        mask = torch.cat([attention.new_ones((rows, self.prefix_len)), attention], dim=1)
+        positions = (torch.arange(length) + self.prefix_len + 1).expand(rows, length)
+        return self._forward(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                             **{self._cache_kwarg: cache})
+    monkeypatch.setattr(prefix_sharing.SharedPrefix, "remainder_logits", shifted)
+    with caplog.at_level("WARNING", logger="server_mock"):
+        assert make_host(tiny_model_dir, share=True).prefix_sharing is False
+    assert "results differ from the unshared path" in caplog.text
