@@ -42,12 +42,21 @@ class ProtoError(ValueError):
 
 
 class ElementBudget:
-    """How many tensor elements one request may still declare (all its loss_fn_inputs together)."""
+    """How many tensor elements one request may still declare (all its loss_fn_inputs together), and
+    how many tokens its datums may hold."""
 
-    def __init__(self, limit: int, reason: str) -> None:
+    def __init__(self, limit: int, reason: str, max_tokens: int | None = None) -> None:
         self.limit = limit
         self.left = limit
         self.reason = reason
+        self.max_tokens = max_tokens
+        self.tokens = 0
+
+    def take_tokens(self, count: int, where: str) -> None:
+        self.tokens += count
+        if self.max_tokens is not None and self.tokens > self.max_tokens:
+            raise ProtoError(where, f"the request's datums hold more than {self.max_tokens} tokens "
+                                    f"(limit max_tokens_per_request={self.max_tokens})", status=413)
 
     def take(self, count: int, where: str) -> None:
         if count > self.left:
@@ -152,6 +161,7 @@ def _decode_datum(datum: pb.Datum, index: int, budget: ElementBudget) -> ProtoDa
     for j, chunk in enumerate(datum.model_input):
         kind = chunk.WhichOneof("chunk")
         if kind == "encoded_text":
+            budget.take_tokens(len(chunk.encoded_text.tokens) // 4, f"{where}.model_input")
             tokens.append(_array_from_bytes(chunk.encoded_text.tokens, DTYPE_INT32, f"{where}.model_input[{j}]"))
         elif kind == "image":
             raise ProtoError(f"{where}.model_input[{j}]", "image chunks are not supported (text models only)")

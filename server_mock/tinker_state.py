@@ -70,7 +70,7 @@ class TinkerState:
     def element_budget(self) -> ElementBudget:
         tokens = self.service.limits.max_tokens_per_request
         return ElementBudget(ELEMENTS_PER_TOKEN * tokens,
-                             f"{ELEMENTS_PER_TOKEN} x limit max_tokens_per_request={tokens}")
+                             f"{ELEMENTS_PER_TOKEN} x limit max_tokens_per_request={tokens}", max_tokens=tokens)
 
     # -- sessions and models ---------------------------------------------------------------------------
 
