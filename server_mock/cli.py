@@ -35,6 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", action="append", default=[], metavar="KEY",
                        help="accepted API key (repeatable; each key is its own tenant). Also PYTRIO_WORKER_API_KEYS")
     serve.add_argument("--insecure", action="store_true", help="allow a non-loopback bind without an API key")
+    serve.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                       help="also answer requests whose Host (or a browser's Origin) is NAME, e.g. the name a "
+                            "reverse proxy forwards; repeatable; '*' accepts any (the worker answers only localhost, "
+                            "loopback addresses and its bind address otherwise, against DNS rebinding)")
     serve.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     serve.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     serve.add_argument("--storage", default="./storage", help="checkpoint folder")
@@ -50,12 +54,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-adapters", type=int, default=256, help="training runs on this worker, all keys together")
     serve.add_argument("--max-queued-requests", type=int, default=1024,
                        help="training ops and samples queued or running, per API key (more get 429 + Retry-After)")
-    serve.add_argument("--max-samplers", type=int, default=1024, help="sampling clients kept (oldest dropped first)")
+    serve.add_argument("--max-samplers", type=int, default=1024,
+                       help="sampling clients kept per API key (its least recently used dropped first)")
     serve.add_argument("--allow-adapter-dir", action="append", default=[], metavar="DIR",
                        help="let clients sample from PEFT adapter folders under DIR "
                             "(create_sampling_client(model_path=...)); repeatable")
     serve.add_argument("--max-snapshots", type=int, default=16,
-                       help="in-memory sampler snapshots kept (save_weights_and_get_sampling_client)")
+                       help="in-memory sampler snapshots kept per API key (save_weights_and_get_sampling_client); "
+                            "its least recently used dropped first")
+    serve.add_argument("--max-stop-strings", type=int, default=16, help="stop strings per sample request")
+    serve.add_argument("--max-stop-string-bytes", type=int, default=256, help="UTF-8 bytes of one stop string")
+    serve.add_argument("--max-stop-token-ids", type=int, default=1024, help="stop token ids per sample request")
     serve.add_argument("--micro-batch-tokens", type=int, default=2048,
                        help="padded tokens per forward/backward pass (bounds activation and logit memory)")
     serve.add_argument("--autocast", default="off", choices=["off", "bf16"],
@@ -110,7 +119,9 @@ def serve(args: argparse.Namespace) -> None:
                     max_tokens_per_request=args.max_tokens_per_request, max_sample_tokens=args.max_sample_tokens,
                     max_num_samples=args.max_num_samples, max_training_runs=args.max_training_runs,
                     max_adapters=args.max_adapters, max_queued_requests=args.max_queued_requests,
-                    max_samplers=args.max_samplers, max_snapshots=args.max_snapshots)
+                    max_samplers=args.max_samplers, max_snapshots=args.max_snapshots,
+                    max_stop_strings=args.max_stop_strings, max_stop_string_bytes=args.max_stop_string_bytes,
+                    max_stop_token_ids=args.max_stop_token_ids)
     for folder in args.allow_adapter_dir:
         if not Path(folder).is_dir():
             sys.exit(f"--allow-adapter-dir {folder}: not a folder")
@@ -128,7 +139,7 @@ def serve(args: argparse.Namespace) -> None:
     if service.fault_injection:
         logging.getLogger("server_mock").warning("fault injection is ON (PYTRIO_WORKER_FAULT_INJECTION): requests "
                                                  "may ask to fail on purpose; never use this in production")
-    app = create_app(service, keys)
+    app = create_app(service, keys, bind_host=args.host, allowed_hosts=args.allowed_host)
     # proto=IPPROTO_TCP (not 0) so that asyncio sets TCP_NODELAY on every accepted connection, and the
     # listener has it too: otherwise Nagle holds each response body until the client's delayed ACK (~40 ms)
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM,

@@ -54,10 +54,14 @@ class Job:
 
 
 class ModelQueue:
-    """A FIFO of jobs for one base model, drained by one thread.
+    """The jobs for one base model, drained by one thread, tenants served in turn.
 
-    Sampling jobs for the same weights are coalesced: when one reaches the head, every queued job with
-    its batch_key joins it (up to a token budget) and they decode as one batch. This is safe to reorder
+    Each tenant (job owner) has a FIFO lane; the thread takes one job from each waiting lane in turn,
+    so a tenant with many queued requests delays another tenant's request by at most the one job that
+    is running when it arrives. A run belongs to one tenant, so its ops keep their seq_id order.
+
+    Sampling jobs for the same weights are coalesced: when one is taken, every queued job with its
+    batch_key joins it (up to a token budget) and they decode as one batch. This is safe to reorder
     because a sampler reads an immutable snapshot, never the training state.
     """
 
@@ -67,7 +71,8 @@ class ModelQueue:
         self.loop = loop
         self.batch_token_budget = batch_token_budget
         self.batch_window = batch_window  # a short wait lets requests sent together arrive together
-        self._jobs: collections.deque[Job] = collections.deque()
+        self._lanes: collections.OrderedDict[str, collections.deque[Job]] = collections.OrderedDict()
+        self._served: str | None = None  # the lane served last: it rejoins the rotation behind new arrivals
         self._cond = threading.Condition()
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name=f"model-{name}", daemon=True)
@@ -75,43 +80,71 @@ class ModelQueue:
 
     def put(self, job: Job) -> None:
         with self._cond:
-            self._jobs.append(job)
+            lane = self._lanes.get(job.owner)
+            if lane is None:
+                lane = self._lanes[job.owner] = collections.deque()
+            lane.append(job)
             self._cond.notify()
 
     def position(self, request_id: str) -> int | None:
+        """How many queued jobs will be taken before this one (in turn order), None if not queued."""
         with self._cond:
-            for index, job in enumerate(self._jobs):
-                if job.request_id == request_id:
-                    return index
+            lanes = self._rotation()
+            for index, lane in enumerate(lanes):
+                for depth, job in enumerate(lane):
+                    if job.request_id == request_id:
+                        before = sum(min(len(other), depth) for other in lanes)
+                        return before + sum(1 for other in lanes[:index] if len(other) > depth)
         return None
 
     def depth(self) -> int:
         with self._cond:
-            return len(self._jobs)
+            return sum(len(lane) for lane in self._lanes.values())
 
     def stop(self) -> None:
         with self._cond:
             self._stopped = True
             self._cond.notify()
 
+    def _rotation(self) -> list[collections.deque[Job]]:
+        """The lanes in the order they will be served (the last-served one last)."""
+        order = [lane for owner, lane in self._lanes.items() if owner != self._served and lane]
+        if self._served in self._lanes and self._lanes[self._served]:
+            order.append(self._lanes[self._served])
+        return order
+
+    def _pop_next(self) -> Job:
+        if self._served is not None and self._served in self._lanes:
+            self._lanes.move_to_end(self._served)  # behind every lane that waited meanwhile
+        owner, lane = next(iter(self._lanes.items()))
+        job = lane.popleft()
+        if not lane:
+            del self._lanes[owner]
+        self._served = owner
+        return job
+
     def _take(self) -> list[Job] | None:
         with self._cond:
-            while not self._jobs and not self._stopped:
+            while not self._lanes and not self._stopped:
                 self._cond.wait()
             if self._stopped:
                 return None
-            head = self._jobs.popleft()
+            head = self._pop_next()
             if head.batch_key is None:
                 return [head]
         if self.batch_window > 0:
             time.sleep(self.batch_window)
         with self._cond:
             group, budget = [head], self.batch_token_budget - head.batch_cost
-            for job in list(self._jobs):
-                if job.batch_key == head.batch_key and job.batch_cost <= budget:
-                    group.append(job)
-                    budget -= job.batch_cost
-                    self._jobs.remove(job)
+            for owner in list(self._lanes):
+                lane = self._lanes[owner]
+                for job in list(lane):
+                    if job.batch_key == head.batch_key and job.batch_cost <= budget:
+                        group.append(job)
+                        budget -= job.batch_cost
+                        lane.remove(job)
+                if not lane:
+                    del self._lanes[owner]
             return group
 
     def _run(self) -> None:

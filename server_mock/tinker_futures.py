@@ -83,11 +83,13 @@ class Future:
 
 
 class Futures:
-    """request_id -> Future. The oldest are forgotten past ``max_entries``."""
+    """request_id -> Future. Past ``max_entries`` futures of one tenant, that tenant's oldest are forgotten;
+    another tenant's never are."""
 
     def __init__(self, max_entries: int = 20_000) -> None:
         self.max_entries = max_entries
-        self._items: OrderedDict[str, Future] = OrderedDict()
+        self._items: dict[str, Future] = {}
+        self._by_tenant: dict[str, OrderedDict[str, None]] = {}
 
     @staticmethod
     def new_id() -> str:
@@ -98,9 +100,12 @@ class Futures:
         task = asyncio.ensure_future(work)
         task.add_done_callback(_consume_exception)
         self._items[request_id] = Future(request_id, tenant, task)
-        while len(self._items) > self.max_entries:
-            _, old = self._items.popitem(last=False)
-            if not old.task.done():
+        mine = self._by_tenant.setdefault(tenant, OrderedDict())
+        mine[request_id] = None
+        while len(mine) > self.max_entries:
+            old_id, _ = mine.popitem(last=False)
+            old = self._items.pop(old_id, None)
+            if old is not None and not old.task.done():
                 old.task.cancel()
         return request_id
 

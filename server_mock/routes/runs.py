@@ -1,0 +1,41 @@
+"""Training runs and their ops."""
+
+from __future__ import annotations
+
+import hashlib
+
+from starlette.requests import Request
+from starlette.routing import Route
+
+from pytrio_compat.wire import CreateTrainingRun, TrainingOp
+
+from ..http_common import endpoint, service_of
+
+
+async def create_run(request: Request, tenant: str, body: CreateTrainingRun):
+    service = service_of(request)
+    return await request.app.state.idempotency.remember(request, tenant,
+                                                        lambda: service.create_training_run(body, tenant))
+
+
+async def get_run(request: Request, tenant: str):
+    service = service_of(request)
+    return service._run_info(service.get_run(request.path_params["run_id"], tenant))
+
+
+async def delete_run(request: Request, tenant: str):
+    await service_of(request).delete_run(request.path_params["run_id"], tenant)
+    return {"deleted": True}
+
+
+async def submit_op(request: Request, tenant: str, body: TrainingOp):
+    digest = hashlib.sha256(body.payload.model_dump_json().encode()).hexdigest()
+    return service_of(request).submit_op(request.path_params["run_id"], body, digest, tenant)
+
+
+ROUTES = [
+    Route("/v1/training_runs", endpoint(create_run, CreateTrainingRun), methods=["POST"]),
+    Route("/v1/training_runs/{run_id}", endpoint(get_run), methods=["GET"]),
+    Route("/v1/training_runs/{run_id}", endpoint(delete_run), methods=["DELETE"]),
+    Route("/v1/training_runs/{run_id}/ops", endpoint(submit_op, TrainingOp), methods=["POST"]),
+]
