@@ -119,7 +119,8 @@ class SeqGate:
         if seq < self.next:
             if any(lo <= seq < hi for lo, hi in self._skipped):
                 return fail(f"seq_id {seq} arrived after the later requests of this model had already run "
-                            f"(it was given up on after waiting {self.gap_wait:.0f}s)")
+                            f"(it was given up on after waiting {self.gap_wait:.0f}s; this model is at seq_id "
+                            f"{self.next})")
             return fail(f"seq_id {seq} is too old (this model is at seq_id {self.next})")
         if seq - self.next >= self.max_ahead:
             raise WorkerError(400, "seq_id_too_far_ahead",

@@ -1,0 +1,176 @@
+"""Fuzzed protobuf bodies on the Tinker ``forward_backward`` route of a real worker.
+
+Random and mutated ForwardBackwardRequests (built with the official client's protobuf module):
+random tensors (dense, sparse, bad dtypes, huge or negative shapes), truncated bodies, flipped and
+inserted bytes, fields with the wrong wire type, huge declared lengths, plain garbage. None may get a
+5xx (or the 422 ``internal_error`` the Tinker side answers for one), none may change any tenant's
+weights or Adam state (checkpoint fingerprints before and after), and a well-formed request on another
+model keeps answering, with the same numbers, while it runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import statistics
+import time
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tinker.proto import tinker_public_pb2 as pb
+from tinker_raw_client import RawTinker, logprobs
+
+KEY_A, KEY_B = "tml-fuzz-a", "tml-fuzz-b"
+EXAMPLES = 400
+PROBE_EVERY = 10
+LOSSES = ["cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "bogus", ""]
+INPUT_KEYS = ["target_tokens", "logprobs", "advantages", "weights", "mask"]
+
+
+@pytest.fixture(scope="module")
+def tinker_worker(tiny_model_dir, tmp_path_factory):
+    from support import WorkerProcess
+
+    root = tmp_path_factory.mktemp("tinker-fuzz")
+    proc = WorkerProcess(tiny_model_dir, root / "storage", "--max-body-bytes", "1000000",
+                         "--max-tokens-per-request", "4096", api_keys=[KEY_A[4:], KEY_B[4:]],
+                         model_name="tiny").start()
+    yield proc
+    proc.stop()
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+_WIRE_PAYLOAD = {0: b"\x96\x01", 1: b"\x00" * 8, 2: b"\x03abc", 5: b"\x00" * 4, 3: b"", 4: b"", 6: b"", 7: b""}
+_EXPECTED_WIRE = {1: 2, 2: 0, 3: 2, 4: 2, 5: 2, 6: 0, 7: 2}
+
+
+@st.composite
+def _tensor(draw, tensor: pb.Tensor) -> None:
+    tensor.dtype = draw(st.integers(0, 6))  # 0, 5 and 6 are not valid dtypes
+    huge = st.sampled_from([2**31, 2**40, 2**62, 2 * 10**10])
+    tensor.shape.extend(draw(st.lists(st.one_of(st.integers(-2, 12), huge), max_size=3)))
+    kind = draw(st.sampled_from(["dense", "dense", "sparse", "none"]))
+    if kind == "dense":
+        tensor.dense = draw(st.binary(max_size=96))
+    elif kind == "sparse":
+        ints = st.lists(st.integers(-3, 20), max_size=6)
+        tensor.sparse_csr.values = draw(st.binary(max_size=32))
+        tensor.sparse_csr.crow_indices = np.asarray(draw(ints), "<i8").tobytes()
+        tensor.sparse_csr.col_indices = np.asarray(draw(ints), "<i8").tobytes()
+
+
+@st.composite
+def _message(draw, model_ids: list[str]) -> bytes:
+    # seq_ids that are stale, refused as too far ahead, or anything at all (a mutation may land anywhere)
+    seq = draw(st.one_of(st.sampled_from([-3, 0, 1, 2, 3]), st.integers(2000, 2**31 - 1)))
+    message = pb.ForwardBackwardRequest(model_id=draw(st.sampled_from(model_ids)), seq_id=seq,
+                                        loss_fn=draw(st.sampled_from(LOSSES)), forward_only=draw(st.booleans()))
+    for _ in range(draw(st.integers(0, 3))):
+        datum = message.data.add()
+        for _ in range(draw(st.integers(0, 2))):
+            tokens = draw(st.lists(st.integers(-2**31, 2**31 - 1), max_size=10))
+            datum.model_input.add().encoded_text.tokens = np.asarray(tokens, "<i4").tobytes()
+        if draw(st.integers(0, 9)) == 0:
+            datum.model_input.add().image.data = b"\x89PNG"
+        for key in draw(st.lists(st.sampled_from(INPUT_KEYS), unique=True, max_size=4)):
+            draw(_tensor(datum.loss_fn_inputs[key]))
+    for key in draw(st.lists(st.sampled_from(["clip_low_threshold", "beta", "loss_id"]), unique=True, max_size=2)):
+        if draw(st.booleans()):
+            message.loss_fn_config_v2[key].text = draw(st.text(max_size=8))
+        else:
+            message.loss_fn_config[key] = draw(st.floats(allow_nan=True, allow_infinity=True))
+    return message.SerializeToString()
+
+
+@st.composite
+def _body(draw, model_ids: list[str]) -> bytes:
+    raw = draw(_message(model_ids))
+    mutation = draw(st.sampled_from(["none", "truncate", "flip", "splice", "wrong_wire", "huge_length", "garbage"]))
+    if mutation == "truncate" and raw:
+        raw = raw[:draw(st.integers(0, len(raw) - 1))]
+    elif mutation == "flip" and raw:
+        i = draw(st.integers(0, len(raw) - 1))
+        raw = raw[:i] + bytes([raw[i] ^ draw(st.integers(1, 255))]) + raw[i + 1:]
+    elif mutation == "splice":
+        i = draw(st.integers(0, len(raw)))
+        raw = raw[:i] + draw(st.binary(min_size=1, max_size=16)) + raw[i:]
+    elif mutation == "wrong_wire":
+        number = draw(st.integers(1, 9))
+        wire = draw(st.sampled_from([w for w in range(8) if w != _EXPECTED_WIRE.get(number)]))
+        extra = _varint(number << 3 | wire) + _WIRE_PAYLOAD[wire]
+        raw = extra + raw if draw(st.booleans()) else raw + extra
+    elif mutation == "huge_length":
+        raw += _varint(3 << 3 | 2) + _varint(draw(st.sampled_from([2**31, 2**40, 2**63]))) + b"xy"
+    elif mutation == "garbage":
+        raw = draw(st.binary(max_size=64))
+    return raw
+
+
+def _fingerprint(raw: RawTinker, storage, model_id: str, seq: int, name: str) -> dict[str, bytes]:
+    from server_mock.storage import CheckpointStore, parse_path
+
+    r = raw.post("/save_weights", json={"model_id": model_id, "seq_id": seq, "path": name, "type": "save_weights"})
+    assert r.status_code == 200, r.text
+    out = raw.result(r.json()["request_id"])
+    if "error" in out and "this model is at seq_id" in out["error"]:  # a fuzzed request ran in order
+        at = int(out["error"].rsplit("this model is at seq_id ", 1)[1].split(")")[0])
+        return _fingerprint(raw, storage, model_id, at, name)
+    assert "path" in out, out
+    trio = out["path"].replace("tinker://", "trio://").replace("/weights/", "/state/")
+    return CheckpointStore(storage).fingerprint(parse_path(trio))
+
+
+@pytest.mark.timeout(900)
+def test_fuzzed_protobuf_bodies_never_crash_or_change_weights(tinker_worker):
+    a, b = RawTinker(tinker_worker.base_url, KEY_A), RawTinker(tinker_worker.base_url, KEY_B)
+    storage = tinker_worker.storage
+    victim, control, probe = a.model("tiny", seed=11), b.model("tiny", seed=11), a.model("tiny", seed=12)
+    for raw, model in ((a, victim), (b, control)):  # trained a little: weights and Adam state are not zero
+        raw.run_forward(model, 1)
+        assert raw.optim_step(model, 2).status_code == 200
+    before = {m: _fingerprint(r, storage, m, 3, "before") for r, m in ((a, victim), (b, control))}
+    baseline = logprobs(a.run_forward(probe, 1, forward_only=True))
+    seen: set[str] = set()
+    statuses: dict[int, int] = {}
+    latencies: list[float] = []
+    probe_seq = [2]
+
+    @settings(max_examples=EXAMPLES, deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(body=_body([victim, victim, control, "sess-nope:train:0", ""]))
+    def attack(body: bytes) -> None:
+        seen.add(hashlib.sha256(body).hexdigest())
+        r = a.forward_backward(victim, 0, body=body)
+        statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+        assert r.status_code < 500, r.text
+        if r.status_code >= 400:
+            answer = r.json()
+            assert answer["code"] != "internal_error" and answer["detail"], answer
+        if len(seen) % PROBE_EVERY == 0:
+            start = time.monotonic()
+            out = a.run_forward(probe, probe_seq[0], forward_only=True)
+            latencies.append(time.monotonic() - start)
+            probe_seq[0] += 1
+            np.testing.assert_array_equal(logprobs(out), baseline)
+
+    attack()
+    after = {victim: _fingerprint(a, storage, victim, 4, "after"), control: _fingerprint(b, storage, control, 4,
+                                                                                        "after")}
+    assert after == before
+    log = (storage.parent / "worker.log").read_text()
+    assert "Traceback" not in log and "unhandled" not in log, log[-3000:]
+    print(f"\nfuzz: {len(seen)} distinct bodies, statuses {sorted(statuses.items())}; well-formed forward "
+          f"during the attack: median {statistics.median(latencies) * 1000:.0f} ms, "
+          f"max {max(latencies) * 1000:.0f} ms over {len(latencies)} probes")
+    assert len(seen) > EXAMPLES // 2 and max(latencies) < 5.0
+    a.close()
+    b.close()
