@@ -82,7 +82,10 @@ async def read_body(request: Request, limit: int) -> bytes:
         if size > limit:
             raise WorkerError(413, "body_too_large", f"body: exceeds limit max_body_bytes={limit}")
         chunks.append(chunk)
-    raw = b"".join(chunks) if len(chunks) != 1 else chunks[0]
+    if len(chunks) == 1:
+        raw = chunks[0]
+    else:
+        raw = await asyncio.to_thread(b"".join, chunks) if size > BIG_BODY_BYTES else b"".join(chunks)
     if request.headers.get("content-encoding", "").lower() == "zstd":
         raw = await asyncio.to_thread(_unzstd, raw, limit)
     return raw
@@ -106,16 +109,23 @@ async def read_json(request: Request, limit: int) -> dict:
     return (await read_json_sized(request, limit))[0]
 
 
-async def read_json_sized(request: Request, limit: int) -> tuple[dict, int]:
-    """The JSON object of the body, and the body's size in bytes."""
+async def read_json_sized(request: Request, limit: int) -> tuple[dict, int, str]:
+    """The JSON object of the body, the body's size in bytes, and its digest (for re-sent requests).
+    A large body is parsed and hashed off the event loop."""
     raw = await read_body(request, limit)
+    if len(raw) > BIG_BODY_BYTES:
+        return await asyncio.to_thread(_parse_json, raw)
+    return _parse_json(raw)
+
+
+def _parse_json(raw: bytes) -> tuple[dict, int, str]:
     try:
-        body = await asyncio.to_thread(json.loads, raw) if len(raw) > BIG_BODY_BYTES else json.loads(raw or b"{}")
+        body = json.loads(raw or b"{}")
     except ValueError:
         raise WorkerError(400, "invalid_json", "body: not valid JSON") from None
     if not isinstance(body, dict):
         raise WorkerError(400, "invalid_json", "body: expected a JSON object")
-    return body, len(raw)
+    return body, len(raw), digest(body)
 
 
 def field(body: dict, name: str, kind: type | tuple, required: bool = True, default: Any = None) -> Any:

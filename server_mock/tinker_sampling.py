@@ -17,7 +17,7 @@ from pytrio_compat.wire import CreateSampler, SampleRequest, WireSamplingParams
 from . import tinker_proto as proto
 from .errors import WorkerError, bad_request
 from .tinker_futures import job_result, raise_
-from .tinker_http import digest, field, read_json
+from .tinker_http import field, read_json, read_json_sized
 from .tinker_paths import to_tinker_path, to_trio_path
 from .tinker_state import TinkerState
 
@@ -137,12 +137,11 @@ async def _sampler_for(state: TinkerState, body: dict, tenant: str) -> tuple[str
 
 
 async def asample(state: TinkerState, request: Request, tenant: str):
-    body = await read_json(request, state.body_limit)
+    body, _, body_digest = await read_json_sized(request, state.body_limit)
     service = state.service
     sampler_id, shared = await _sampler_for(state, body, tenant)
     sampler = service.get_sampler(sampler_id, tenant)
     seq_id = body.get("seq_id")
-    body_digest = digest(body)
     key = (sampler.sampler_id, seq_id)
     dedupe = seq_id is not None and not shared  # shared samplers serve many clients: no seq_id of their own
     if dedupe and key in state.samples:

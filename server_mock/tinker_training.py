@@ -160,7 +160,7 @@ def _optim_metrics(result: dict) -> dict:
 
 
 async def optim_step(state: TinkerState, request: Request, tenant: str):
-    body, size = await read_json_sized(request, state.body_limit)
+    body, size, body_digest = await read_json_sized(request, state.body_limit)
     model = state.model(field(body, "model_id", str), tenant)
-    return gated(state, tenant, model, body.get("seq_id"), digest(body), lambda: _adam_params(body), _optim_metrics,
+    return gated(state, tenant, model, body.get("seq_id"), body_digest, lambda: _adam_params(body), _optim_metrics,
                  size)

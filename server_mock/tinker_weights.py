@@ -10,14 +10,14 @@ from starlette.requests import Request
 
 from pytrio_compat.wire import CreateSampler, CreateTrainingRun, LoadOp, SaveOp
 
-from .tinker_http import digest, field, read_json, read_json_sized
+from .tinker_http import field, read_json, read_json_sized
 from .tinker_paths import to_tinker_path, to_trio_path
 from .tinker_state import TinkerState
 from .tinker_training import gated
 
 
 async def save_weights(state: TinkerState, request: Request, tenant: str):
-    body, size = await read_json_sized(request, state.body_limit)
+    body, size, body_digest = await read_json_sized(request, state.body_limit)
     model = state.model(field(body, "model_id", str), tenant)
 
     def payload() -> SaveOp:
@@ -27,11 +27,11 @@ async def save_weights(state: TinkerState, request: Request, tenant: str):
     def convert(result: dict) -> dict:
         return {"path": to_tinker_path(result["path"]), "type": "save_weights"}
 
-    return gated(state, tenant, model, body.get("seq_id"), digest(body), payload, convert, size)
+    return gated(state, tenant, model, body.get("seq_id"), body_digest, payload, convert, size)
 
 
 async def save_weights_for_sampler(state: TinkerState, request: Request, tenant: str):
-    body, size = await read_json_sized(request, state.body_limit)
+    body, size, body_digest = await read_json_sized(request, state.body_limit)
     model = state.model(field(body, "model_id", str), tenant)
     name = body.get("path")
 
@@ -50,11 +50,11 @@ async def save_weights_for_sampler(state: TinkerState, request: Request, tenant:
             info = await state.service.create_sampler(CreateSampler(model_path=result["path"]), tenant)
             return {"sampling_session_id": info.sampler_id, "type": "save_weights_for_sampler"}
 
-    return gated(state, tenant, model, body.get("seq_id"), digest(body), payload, convert, size)
+    return gated(state, tenant, model, body.get("seq_id"), body_digest, payload, convert, size)
 
 
 async def load_weights(state: TinkerState, request: Request, tenant: str):
-    body, size = await read_json_sized(request, state.body_limit)
+    body, size, body_digest = await read_json_sized(request, state.body_limit)
     path = field(body, "path", str)
     with_optimizer = bool(body.get("optimizer", False))
     if body.get("model_id") is not None:  # load into an existing training model
@@ -66,7 +66,7 @@ async def load_weights(state: TinkerState, request: Request, tenant: str):
         def convert(result: dict) -> dict:
             return {"path": path, "model_id": model.model_id, "type": "load_weights"}
 
-        return gated(state, tenant, model, body.get("seq_id"), digest(body), payload, convert, size)
+        return gated(state, tenant, model, body.get("seq_id"), body_digest, payload, convert, size)
 
     # create_training_client_from_state*: a new model whose first request is this load
     session = state.session(field(body, "session_id", str), tenant)
