@@ -72,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "float32 sampler's by ~1e-2)")
     serve.add_argument("--activation-checkpointing", action="store_true",
                        help="recompute activations in backward: less memory, ~30%% more time")
+    serve.add_argument("--no-float32-head", dest="float32_head", action="store_false",
+                       help="compute the output head in the model's dtype (by default it runs in float32 in the "
+                            "sampler and the trainer, which keeps bf16 logprobs of the two sides closer)")
     serve.add_argument("--prefix-share-min-tokens", type=int, default=32, metavar="N",
                        help="in one forward/backward call, datums sharing at least N leading tokens (a GRPO group's "
                             "prompt) run them once; the results are unchanged. 0 disables (default 32)")
@@ -135,6 +138,7 @@ def serve(args: argparse.Namespace) -> None:
                             train_options=TrainOptions(micro_batch_tokens=args.micro_batch_tokens,
                                                        autocast_bf16=args.autocast == "bf16",
                                                        activation_checkpointing=args.activation_checkpointing,
+                                                       float32_head=args.float32_head,
                                                        prefix_share_min_tokens=args.prefix_share_min_tokens))
     if service.fault_injection:
         logging.getLogger("server_mock").warning("fault injection is ON (PYTRIO_WORKER_FAULT_INJECTION): requests "

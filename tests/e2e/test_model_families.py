@@ -57,7 +57,25 @@ def sample(sampler, prompt, n=4, max_tokens=14, seed=5, stop=None, temperature=1
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_samples_trains_and_agrees(family_service, family):
-    service, _ = family_service
+    check_family(family_service[0], family)
+
+
+@pytest.mark.slow
+def test_smollm2_samples_trains_and_agrees(tmp_path):
+    from support import WorkerProcess
+
+    from server_mock.model_loading import SMOLLM2_ID, resolve_source
+
+    proc = WorkerProcess(resolve_source(SMOLLM2_ID), tmp_path / "storage", model_name="smol").start()
+    service = trio.ServiceClient(base_url=proc.base_url)
+    try:
+        check_family(service, "smol")
+    finally:
+        service.close()
+        proc.stop()
+
+
+def check_family(service, family: str) -> None:
     tc = service.create_lora_training_client(family, rank=4, seed=0)
     tok = tc.get_tokenizer()
     prompt = tok.encode("what is 12 + 30? the answer is")  # longer than Gemma 3's sliding window (8)
