@@ -103,10 +103,12 @@ class Runtime:
         retry_window: float | None = None,
         operation: str | None = None,
         idempotent: bool = True,
+        max_attempts: int | None = None,
     ) -> Any:
         """Send one request, retrying connection errors and 408/429/5xx with backoff inside a window.
 
         Non-idempotent creations carry an Idempotency-Key so a resent request is answered, not redone.
+        ``max_attempts`` (downloads) also stops after that many attempts, inside the window.
         """
         cfg = self.config
         window = cfg.control_retry_timeout_seconds if retry_window is None else retry_window
@@ -122,7 +124,9 @@ class Runtime:
         delay = cfg.retry_initial_delay_seconds
         deadline: float | None = None
         told_about_limit = False
+        attempts = 0
         while True:
+            attempts += 1
             try:
                 response = await self.http.request(
                     method, path, content=content, params=params, headers=headers,
@@ -149,7 +153,7 @@ class Runtime:
             now = time.monotonic()
             if deadline is None:
                 deadline = now + window
-            if now >= deadline:
+            if now >= deadline or (max_attempts is not None and attempts >= max_attempts):
                 raise last
             sleep = retry_after if retry_after is not None else delay * (1 + random.uniform(0, cfg.retry_jitter_ratio))
             sleep = min(sleep, max(0.0, deadline - now))

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError as PydanticValidationError
 
-from .errors import ValidationError
+from .errors import APIError, ValidationError
 from .types import APIFuture, ModelInput, SampleResponse, SamplingParams
 from .wire import Accepted, SampleRequest, SamplerInfo, WireSamplingParams
 
@@ -22,6 +23,8 @@ class SamplingClient:
         self.sampling_run_cuid = info.sampler_id
         self.model_id = info.base_model
         self.model_path = info.model_path
+        # sample calls running at once (configure(sampling_request_max_in_flight=...)); the others wait
+        self._in_flight = asyncio.Semaphore(self._rt.config.sampling_request_max_in_flight)
 
     # --- sample ---------------------------------------------------------------------------------------
 
@@ -52,9 +55,22 @@ class SamplingClient:
         return await self._rt.run_async(self._sample(request))
 
     async def _sample(self, request: SampleRequest) -> SampleResponse:
-        window = self._rt.config.sampling_retry_timeout_seconds
+        """One sample call: at most sampling_request_max_in_flight at once, each within sampling_timeout_seconds."""
+        limit = self._rt.config.sampling_timeout_seconds
+        async with self._in_flight:
+            try:
+                return await asyncio.wait_for(self._sample_once(request), limit)
+            except asyncio.TimeoutError:
+                raise APIError(f"sample did not finish within sampling_timeout_seconds={limit:g}",
+                               code="actor.sampling.total_timeout", operation="sample", retryable=False,
+                               hint="raise configure(sampling_timeout_seconds=...) or ask for fewer tokens") from None
+
+    async def _sample_once(self, request: SampleRequest) -> SampleResponse:
+        cfg = self._rt.config
+        window = cfg.sampling_retry_timeout_seconds
         raw = await self._rt.request("POST", f"/v1/samplers/{self.sampler_id}/sample", body=request,
-                                     retry_window=window, operation="sample")
+                                     retry_window=window, operation="sample",
+                                     timeout=cfg.actor_event_submit_timeout_seconds)
         accepted = Accepted.model_validate(raw)
         result = await self._rt.wait_for_request(accepted.request_id, "sample", retry_window=window)
         return SampleResponse.model_validate(result)

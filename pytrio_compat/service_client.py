@@ -175,7 +175,8 @@ class ServiceClient:
                                       code="dependency.missing_tokenizer_backend") from exc
             try:
                 raw = self._runtime.run(self._runtime.request("GET", "/v1/tokenizer", params={"model": model},
-                                                              operation="get_tokenizer"))
+                                                              operation="get_tokenizer",
+                                                              max_attempts=self._config.retry_max_attempts))
             except APIError:
                 raise
             files = TokenizerFiles.model_validate(raw)

@@ -59,6 +59,9 @@ class TrainingClient:
         self._next_seq = info.last_seq_id + 1
         self._broken: str | None = None
         self._ops_done = 0
+        # submitted ops whose result has not arrived (configure(training_event_max_in_flight=...)); taken in
+        # ticket order, so a call waiting for a slot also holds back the calls made after it
+        self._in_flight = asyncio.Semaphore(self._rt.config.training_event_max_in_flight)
 
     # --- ordered submission ---------------------------------------------------------------------------
 
@@ -77,14 +80,17 @@ class TrainingClient:
         try:
             if self._broken:
                 raise TrainingRunBrokenError(self._broken, hint="create a new training client")
-            op = TrainingOp(seq_id=self._next_seq, payload=payload)
+            await self._in_flight.acquire()
             try:
+                op = TrainingOp(seq_id=self._next_seq, payload=payload)
                 raw = await self._rt.request(
                     "POST", f"/v1/training_runs/{self.training_run_id}/ops", body=op,
                     retry_window=self._rt.config.training_retry_timeout_seconds, operation=operation,
+                    timeout=self._rt.config.actor_event_submit_timeout_seconds,
                 )
-            except PyTrioError as exc:
-                if exc.retryable:
+            except BaseException as exc:
+                self._in_flight.release()
+                if isinstance(exc, PyTrioError) and exc.retryable:
                     # We cannot know whether the worker took this seq_id: later calls would be misordered.
                     self._broken = f"training run {self.training_run_id} lost contact during {operation}: {exc.message}"
                 raise
@@ -93,9 +99,12 @@ class TrainingClient:
             async with self._turn:
                 self._now_serving += 1
                 self._turn.notify_all()
-        accepted = Accepted.model_validate(raw)
-        result = await self._rt.wait_for_request(
-            accepted.request_id, operation, retry_window=self._rt.config.training_retry_timeout_seconds)
+        try:
+            accepted = Accepted.model_validate(raw)
+            result = await self._rt.wait_for_request(
+                accepted.request_id, operation, retry_window=self._rt.config.training_retry_timeout_seconds)
+        finally:
+            self._in_flight.release()
         return convert(result)
 
     # --- forward / backward -----------------------------------------------------------------------------
