@@ -105,6 +105,7 @@ def test_far_ahead_seq_id_is_refused_and_others_are_unaffected(tinker_worker, ra
         for t in threads:
             t.join()
     assert not errors, errors[:3]
+    print(f"\nfar-ahead seq_id: {refused[0]} refused; health during the attack: max {max(latencies) * 1000:.0f} ms")
     assert refused[0] > 10 and max(latencies) < 1.0, (refused[0], latencies)
     for mine, theirs in zip(got, expected):
         np.testing.assert_allclose(mine, theirs, rtol=0, atol=1e-6)
