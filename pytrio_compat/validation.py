@@ -12,17 +12,10 @@ import numpy as np
 
 from .errors import ValidationError
 from .types import Datum
+from .types.datum import LOSS_INPUTS
 from .types.tensor import WireTensor
 from .wire import WireDatum
 
-LOSS_INPUTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    # loss name: (required keys, optional keys)
-    "cross_entropy": (("target_tokens",), ("weights",)),
-    "importance_sampling": (("target_tokens", "logprobs", "advantages"), ()),
-    "ppo": (("target_tokens", "logprobs", "advantages"), ()),
-    "cispo": (("target_tokens", "logprobs", "advantages"), ()),
-    "dro": (("target_tokens", "logprobs", "advantages"), ()),
-}
 IGNORE_INDEX = -100
 
 

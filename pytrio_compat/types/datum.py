@@ -11,6 +11,15 @@ from .tensor import TensorData
 
 LossFnOutput = dict[str, TensorData]
 
+# loss name: (required loss_fn_inputs, optional ones). Every input holds one value per model_input token.
+LOSS_INPUTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "cross_entropy": (("target_tokens",), ("weights",)),
+    "importance_sampling": (("target_tokens", "logprobs", "advantages"), ()),
+    "ppo": (("target_tokens", "logprobs", "advantages"), ()),
+    "cispo": (("target_tokens", "logprobs", "advantages"), ()),
+    "dro": (("target_tokens", "logprobs", "advantages"), ()),
+}
+
 # Keys whose dtype is fixed by the loss functions: a list of ints given for `advantages` must still
 # travel as float32, and float-valued `target_tokens` (e.g. from a float numpy array) as int64.
 KEY_DTYPES = {
@@ -42,6 +51,29 @@ class Datum(BaseModel):
                 tensor = _cast(key, tensor, want)
             out[key] = tensor
         return out
+
+    def validate_loss_inputs(self, loss_fn: str) -> None:
+        """Check that this datum has what ``loss_fn`` needs: each required input, and one value per token of
+        ``model_input`` in each input the loss reads. Raises ``ValueError`` naming the input and the fix."""
+        name = str(loss_fn).strip().lower()
+        if name not in LOSS_INPUTS:
+            raise ValueError(f"Unsupported loss function type: {loss_fn} (choose one of {', '.join(LOSS_INPUTS)})")
+        required, optional = LOSS_INPUTS[name]
+        missing = [key for key in required if key not in self.loss_fn_inputs]
+        if missing:
+            raise ValueError(f"{missing[0]} is required: loss {name!r} needs loss_fn_inputs "
+                             f"{', '.join(required)}; missing {', '.join(missing)}")
+        length = len(self.model_input)
+        for key in required + optional:
+            tensor = self.loss_fn_inputs.get(key)
+            if tensor is None:
+                continue
+            shape = list(tensor.shape) if tensor.shape is not None else [len(tensor.data)]
+            if shape != [length]:
+                raise ValueError(f"{key} must have shape [{length}] (one value per model_input token, for loss "
+                                 f"{name!r}), got {shape}")
+        if self.loss_fn_inputs["target_tokens"].dtype != "int64":
+            raise ValueError("target_tokens must have dtype int64")
 
 
 def _cast(key: str, tensor: TensorData, dtype: str) -> TensorData:
