@@ -172,6 +172,7 @@ def test_trained_checkpoint_answers_differently_and_only_for_its_tenant(worker, 
             trainer.forward_backward([datum], "cross_entropy").result()
             trainer.optim_step(trio.AdamParams(learning_rate=0.003)).result()
         path = trainer.save_weights_for_sampler("openai-eval").result().path
+        held = trainer.save_weights_and_get_sampling_client().model_path  # in worker memory only
         native = service.create_sampling_client(model_path=path).sample(
             trio.ModelInput.from_ints(prompt), sampling_params=trio.SamplingParams(max_tokens=len(answer),
                                                                                    temperature=0)).result()
@@ -190,6 +191,7 @@ def test_trained_checkpoint_answers_differently_and_only_for_its_tenant(worker, 
     assert tuned.token_ids == answer  # learned the answer
     assert base.token_ids != answer
     assert tuned.token_ids == native.sequences[0].tokens
+    assert greedy(held).token_ids == answer
     np.testing.assert_allclose([e.logprob for e in tuned.logprobs.content], native.sequences[0].logprobs, atol=1e-5)
     assert np.mean([e.logprob for e in tuned.logprobs.content]) > np.mean([e.logprob for e in base.logprobs.content])
     _error(lambda: greedy(path, other_tenant), 404, "model", "model_not_found")
