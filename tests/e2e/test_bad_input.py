@@ -131,6 +131,11 @@ def test_malformed_requests_are_rejected_and_change_nothing(worker, service, vic
             response = http.post(url, content=content, headers=headers)
             assert response.status_code == status, (label, response.text)
             assert field in response.text, (label, response.text)
+        good_op = json.dumps({"seq_id": seq, "payload": {"op": "optim_step", "adam_params": {"learning_rate": 1.0}}})
+        for ctype in ("text/plain", "application/x-www-form-urlencoded", "application/jsonx", "json", None):
+            response = http.post(url, content=good_op, headers={"Content-Type": ctype} if ctype else {})
+            assert response.status_code == 415, (ctype, response.text)
+            assert response.json()["error"]["field"] == "Content-Type", response.text
         assert http.post(f"{worker.base_url}/v1/training_runs/run-nope/ops", json={"seq_id": 1, "payload": fb()}
                          ).status_code == 404
         assert http.get(f"{worker.base_url}/v1/health").json()["status"] == "ok"
@@ -153,6 +158,14 @@ SAMPLE_CASES = [
     ("topk prompt logprobs 500", {"topk_prompt_logprobs": 500}, 400, "topk_prompt_logprobs"),
     ("missing sampling_params", {"sampling_params": None}, 422, "sampling_params"),
     ("prompt as string", {"prompt_tokens": "hello"}, 422, "prompt_tokens"),
+    ("17 stop strings", {"sampling_params": {"max_tokens": 4, "stop": ["x"] * 17}}, 413, "max_stop_strings=16"),
+    ("257-byte stop string", {"sampling_params": {"max_tokens": 4, "stop": ["a" * 257]}}, 413,
+     "max_stop_string_bytes=256"),
+    ("86 euro signs (258 bytes)", {"sampling_params": {"max_tokens": 4, "stop": ["ok", "\u20ac" * 86]}}, 413,
+     "stop[1]"),
+    ("1025 stop token ids", {"sampling_params": {"max_tokens": 4, "stop_token_ids": [1] * 1025}}, 413,
+     "max_stop_token_ids=1024"),
+    ("stop not a list", {"sampling_params": {"max_tokens": 4, "stop": 5}}, 422, "stop"),
 ]
 
 
@@ -189,6 +202,15 @@ def test_malformed_sampling_and_creation_requests(worker, service):
         assert http.get(f"{worker.base_url}/v1/requests/req-nope").status_code == 404
         ok = http.post(url, json=good)
         assert ok.status_code == 200
+        at_limits = {**good, "sampling_params": {"max_tokens": 4, "stop": ["\u20ac" * 85 + "a"] * 16,
+                                                 "stop_token_ids": list(range(VOCAB)) * 2}}
+        assert http.post(url, json=at_limits).status_code == 200  # exactly at every limit is fine
+        poll = f"{worker.base_url}/v1/requests/{ok.json()['request_id']}"
+        for wait in ("nan", "NaN", "inf", "-inf", "1e400", "-1", "-0.5", "soon", ""):
+            response = http.get(poll, params={"wait": wait})
+            assert response.status_code == 400, (wait, response.text)
+            assert response.json()["error"]["field"] == "wait", response.text
+        assert http.get(poll, params={"wait": "1e9"}).json()["status"] == "succeeded"  # long waits are cut to 60 s
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -239,3 +261,22 @@ def test_fuzzed_sampling_params_get_an_answer_not_a_crash(worker, service, max_t
     assert (response.status_code == 200) == valid, (params, num_samples, response.text)
     if not valid:
         assert response.status_code in (400, 413), response.text
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    stop=st.lists(st.text(max_size=90), max_size=20),
+    stop_ids=st.one_of(st.none(), st.lists(st.integers(0, VOCAB - 1), max_size=1100)),
+)
+def test_fuzzed_stop_strings_are_bounded(worker, service, stop, stop_ids):
+    sampler = getattr(test_fuzzed_stop_strings_are_bounded, "sampler", None) or \
+        service.create_sampling_client(base_model="tiny")
+    test_fuzzed_stop_strings_are_bounded.sampler = sampler
+    response = httpx.post(f"{worker.base_url}/v1/samplers/{sampler.sampler_id}/sample", timeout=30, json={
+        "prompt_tokens": [3, 4, 5], "sampling_params": {"max_tokens": 3, "stop": stop, "stop_token_ids": stop_ids}})
+    sizes = [len(s.encode("utf-8", "surrogatepass")) for s in stop]
+    valid = len(stop) <= 16 and all(0 < n <= 256 for n in sizes) and (stop_ids is None or len(stop_ids) <= 1024)
+    assert (response.status_code == 200) == valid, (len(stop), sizes, response.text)
+    if not valid:
+        assert response.status_code in (400, 413), response.text
+        assert "stop" in response.json()["error"]["field"], response.text
