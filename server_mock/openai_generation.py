@@ -69,8 +69,8 @@ class Generator:
         """The sampler id and the model host for ``model``: a served base model or an owned trio:// path."""
         if model.startswith("trio://"):
             create = CreateSampler(model_path=model)
-        elif model in self.served_models():
-            create = CreateSampler(base_model=model)
+        elif model in self.served_models() or getattr(self.service, "lazy_models", False):
+            create = CreateSampler(base_model=model)  # with --lazy-models, any model the worker can load
         else:
             raise WorkerError(404, "model_not_found", f"model: {model!r} does not exist here: use one of the "
                                                       f"served models ({', '.join(self.served_models()) or 'none'}) "

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
 from pydantic import ValidationError as PydanticValidationError
@@ -48,9 +48,9 @@ _REASONS = {
 
 
 class _Part(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    type: Literal["text"]
-    text: StrictStr
+    model_config = ConfigDict(extra="allow")  # image_url, input_audio, ...: refused by type below
+    type: StrictStr
+    text: StrictStr | None = None
 
 
 class _Message(BaseModel):
@@ -126,7 +126,15 @@ def parse_chat(body: dict, max_samples: int, max_sample_tokens: int) -> Generati
         if message.role not in ROLES:
             raise invalid(f"messages[{i}].role", f"{message.role!r} is not supported; use one of {', '.join(ROLES)}"
                           + (" (tool calling is not supported)" if message.role in ("tool", "function") else ""))
-        text = message.content if isinstance(message.content, str) else "".join(p.text for p in message.content)
+        if isinstance(message.content, str):
+            text = message.content
+        else:
+            for j, part in enumerate(message.content):
+                if part.type != "text" or part.text is None:
+                    raise invalid(f"messages[{i}].content[{j}]", f"{part.type!r} parts are not supported: "
+                                  "this worker serves text models (send {\"type\": \"text\", \"text\": ...})",
+                                  code="unsupported_parameter")
+            text = "".join(part.text or "" for part in message.content)
         messages.append({"role": message.role, "content": text})
     if req.max_tokens is not None and req.max_completion_tokens is not None \
             and req.max_tokens != req.max_completion_tokens:

@@ -72,6 +72,18 @@ def test_chat_renders_the_template_and_equals_native_sample(client, tokenizer, n
     assert response.usage.total_tokens == len(prompt) + response.usage.completion_tokens
 
 
+def test_text_parts_are_joined_like_a_string_content(client):
+    as_text = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "what is 3 plus 4"}], max_tokens=5, seed=4,
+        extra_body=IDS)
+    as_parts = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": [{"type": "text", "text": "what is "},
+                                                             {"type": "text", "text": "3 plus 4"}]}],
+        max_tokens=5, seed=4, extra_body=IDS)
+    assert as_parts.prompt_token_ids == as_text.prompt_token_ids
+    assert as_parts.choices[0].token_ids == as_text.choices[0].token_ids
+
+
 def test_greedy_tokens_and_top_logprobs_equal_transformers(client, tokenizer, tiny_model_dir):
     from transformers import AutoModelForCausalLM
 

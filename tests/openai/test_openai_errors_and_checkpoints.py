@@ -78,6 +78,10 @@ def test_wrong_key_is_an_authentication_error(worker):
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
     ({"messages": []}, "messages"),
     ({"max_tokens": 3, "max_completion_tokens": 4}, "max_completion_tokens"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                {"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content[1]"),
+    ({"messages": [{"role": "user", "content": "a", "name": "bob"}]}, "messages[0].name"),
     ({"extra_body": {"top_k": -2}}, "top_k"),
     ({"extra_body": {"n": "2"}}, "n"),
 ])
@@ -180,6 +184,7 @@ def test_trained_checkpoint_answers_differently_and_only_for_its_tenant(worker, 
         service.close()
     listed = {m.id: m for m in client.models.list().data}
     assert path in listed and listed[path].parent == "tiny"
+    assert client.models.retrieve(path).parent == "tiny"
     assert path not in [m.id for m in other_tenant.models.list().data]
 
     def greedy(model: str, who=client):
@@ -195,3 +200,15 @@ def test_trained_checkpoint_answers_differently_and_only_for_its_tenant(worker, 
     np.testing.assert_allclose([e.logprob for e in tuned.logprobs.content], native.sequences[0].logprobs, atol=1e-5)
     assert np.mean([e.logprob for e in tuned.logprobs.content]) > np.mean([e.logprob for e in base.logprobs.content])
     _error(lambda: greedy(path, other_tenant), 404, "model", "model_not_found")
+
+
+def test_lazy_worker_serves_any_model_it_can_load(tiny_model_dir, tmp_path):
+    proc = start_worker(tiny_model_dir, tmp_path, "--lazy-models")
+    try:
+        with openai.OpenAI(base_url=openai_url(proc), api_key=KEY_A, max_retries=0) as client:
+            reply = client.chat.completions.create(model=str(tiny_model_dir), messages=HELLO, max_tokens=3)
+            assert reply.model == str(tiny_model_dir) and reply.usage.completion_tokens >= 1
+            _error(lambda: client.chat.completions.create(model=str(tmp_path / "no-model"), messages=HELLO,
+                                                          max_tokens=3), 404, "model")
+    finally:
+        proc.stop()
