@@ -176,6 +176,9 @@ class SamplerInfo(WireModel):
 
 
 class WireSamplingParams(WireModel):
+    """Sampling parameters. The worker bounds what drives work per decoding step: by default at most 16
+    ``stop`` strings of at most 256 UTF-8 bytes each and 1024 ``stop_token_ids`` (413 naming the limit)."""
+
     max_tokens: int
     temperature: float = 1.0
     top_k: int = -1
