@@ -17,6 +17,7 @@ interval, not seq_id by seq_id.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
@@ -62,12 +63,22 @@ class HeldBytes:
 
 
 @dataclass
+class Slim:
+    """A smaller form for a request to keep while it waits: ``size`` bytes, and ``prepare()`` (run in a
+    thread when the request's turn comes) gives back its ``submit`` callable."""
+
+    size: int
+    prepare: Callable[[], Callable[[], Awaitable[Any]]]
+
+
+@dataclass
 class _Waiting:
     request_id: str
     digest: str
-    submit: Callable[[], Awaitable[Any]]
+    submit: Callable[[], Awaitable[Any]] | None
     slot: asyncio.Future
     size: int
+    prepare: Callable[[], Callable[[], Awaitable[Any]]] | None = None
 
 
 async def _when_submitted(slot: asyncio.Future) -> Any:
@@ -98,15 +109,17 @@ class SeqGate:
         self._skipped: deque[tuple[int, int]] = deque(maxlen=64)  # [lo, hi) ranges given up on
         self._waiting: dict[int, _Waiting] = {}
         self._timer: asyncio.TimerHandle | None = None
+        self._preparing: asyncio.Task | None = None
         self._progress_at = 0.0
 
     def admit(self, seq: int, digest: str, submit: Callable[[], Awaitable[Any]],
-              add_future: Callable[[Awaitable[Any]], str], fail: Callable[[str], str], size: int = 0) -> str:
+              add_future: Callable[[Awaitable[Any]], str], fail: Callable[[str], str], size: int = 0,
+              slim: Slim | None = None) -> str:
         """The request id of ``seq``: a new future, or the original one for a re-send.
 
         ``add_future(awaitable)`` registers a future and returns its id; ``fail(message)`` registers a
         failed one, for a request that cannot be admitted at all. ``size``: the bytes the request
-        keeps while it waits for its turn.
+        keeps while it waits for its turn; ``slim``: a smaller form to keep instead, if it has one.
         """
         seen = self._admitted.get(seq)
         if seen is None and seq in self._waiting:
@@ -140,19 +153,24 @@ class SeqGate:
             raise WorkerError(429, "too_many_waiting_requests",
                               f"seq_id: {len(self._waiting)} requests of this model already wait for seq_id "
                               f"{self.next} (limit max_waiting_requests={self.max_waiting}); retry shortly", "seq_id")
+        waiting = _Waiting("", digest, submit, loop.create_future(), size)
+        if slim is not None and slim.size < size:
+            waiting.submit, waiting.prepare, waiting.size = None, slim.prepare, slim.size
         if self.held is not None:
-            self.held.reserve(self.owner, size)  # a 429: nothing recorded
-        slot = loop.create_future()
-        request_id = add_future(_when_submitted(slot))
-        self._waiting[seq] = _Waiting(request_id, digest, submit, slot, size)
+            self.held.reserve(self.owner, waiting.size)  # a 429: nothing recorded
+        waiting.request_id = add_future(_when_submitted(waiting.slot))
+        self._waiting[seq] = waiting
         self._schedule()
-        return request_id
+        return waiting.request_id
 
     def close(self, reason: str) -> None:
         """Fail every waiting request (its model is gone) and give back what they held."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if self._preparing is not None:
+            self._preparing.cancel()
+            self._preparing = None
         for waiting in self._waiting.values():
             if not waiting.slot.done():
                 waiting.slot.set_exception(WorkerError(404, "model_not_found", reason, "model_id"))
@@ -177,6 +195,10 @@ class SeqGate:
     def _drain(self) -> None:
         while self.next in self._waiting:
             waiting = self._waiting[self.next]
+            if waiting.prepare is not None:  # back to its full form in a thread first, then on
+                if self._preparing is None:
+                    self._preparing = asyncio.ensure_future(self._prepare(waiting))
+                return
             try:
                 work = waiting.submit()
             except WorkerError as exc:
@@ -192,6 +214,15 @@ class SeqGate:
             self._record(self.next, waiting.request_id, waiting.digest)
         self._schedule()
 
+    async def _prepare(self, waiting: _Waiting) -> None:
+        try:
+            waiting.submit = await asyncio.to_thread(waiting.prepare)
+        except Exception as exc:  # noqa: BLE001 - the request's own future carries the error
+            waiting.submit = functools.partial(_raise_now, exc)
+        waiting.prepare = None
+        self._preparing = None
+        self._drain()
+
     def _schedule(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
@@ -199,6 +230,8 @@ class SeqGate:
         if not self._waiting:
             return
         loop = asyncio.get_running_loop()
+        if self._preparing is not None:
+            return  # the request at the head is being prepared; draining goes on when it is
         if self.next in self._waiting:  # held back by a full queue
             self._timer = loop.call_later(self.retry_after, self._drain)
         else:  # a gap: wait for the missing requests, but not forever
@@ -215,3 +248,7 @@ class SeqGate:
         self._skipped.append((self.next, first))
         self.next = first
         self._drain()
+
+
+def _raise_now(exc: BaseException):
+    raise exc

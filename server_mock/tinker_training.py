@@ -2,8 +2,9 @@
 the seq_id-ordered hand-over to the service that every training-model operation goes through.
 
 A forward_backward body is parsed, checked and turned into the service's op in a worker thread, so
-the event loop never decodes, copies or base64-encodes tensors; the raw body is dropped as soon as it
-has been decoded. Results are encoded to protobuf in a thread too.
+the event loop never decodes, copies or base64-encodes tensors. A request that has to wait for an
+earlier seq_id keeps only its body, the smaller form, and is decoded again in a thread when its turn
+comes. Results are encoded to protobuf in a thread too.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pytrio_compat.wire import ForwardOp, OptimStepOp, TrainingOp, WireDatum
 from . import tinker_proto as proto
 from .errors import WorkerError, bad_request
 from .tinker_futures import job_result, raise_
+from .tinker_gate import Slim
 from .tinker_http import digest, field, read_body, read_json_sized
 from .tinker_paths import tinker_metrics
 from .tinker_state import TinkerModel, TinkerState
@@ -51,16 +53,25 @@ def submit_op(state: TinkerState, model: TinkerModel, tenant: str, payload, body
 
 
 def gated(state: TinkerState, tenant: str, model: TinkerModel, seq_id: Any, body_digest: str, payload,
-          convert: Callable[[dict], Any] | None, size: int) -> dict:
+          convert: Callable[[dict], Any] | None, size: int,
+          reload: tuple[int, Callable[[], Any]] | None = None) -> dict:
     """Admit one operation of ``model`` in seq_id order; its future's id. ``size``: the bytes it keeps
-    while it waits for an earlier seq_id."""
+    while it waits for an earlier seq_id; ``reload``: a smaller form to keep instead, as (its size, a
+    function run in a thread that gives back the payload)."""
     if isinstance(seq_id, bool) or not isinstance(seq_id, int):
         raise bad_request("seq_id", "required: an integer")
+
+    def submitter(payload) -> Callable[[], Awaitable[Any]]:
+        return lambda: submit_op(state, model, tenant, payload, body_digest, convert)
+
+    slim = None
+    if reload is not None:
+        reload_size, load = reload
+        slim = Slim(reload_size, lambda: submitter(load()))
     request_id = model.gate.admit(
-        seq_id, body_digest, lambda: submit_op(state, model, tenant, payload, body_digest, convert),
-        lambda work: state.futures.add_guarded(tenant, work),
+        seq_id, body_digest, submitter(payload), lambda work: state.futures.add_guarded(tenant, work),
         lambda message: state.futures.add_failed(tenant, bad_request("seq_id", message, code="seq_id_conflict")),
-        size)
+        size, slim)
     return {"request_id": request_id, "model_id": model.model_id}
 
 
@@ -115,15 +126,19 @@ async def forward_backward(state: TinkerState, request: Request, tenant: str):
     if "protobuf" not in ctype and raw[:1] == b"{":
         raise WorkerError(415, "unsupported_media_type", "forward_backward takes a protobuf body "
                                                          "(application/x-protobuf), as tinker >= 0.25 sends")
+    budget = state.element_budget()
     try:
-        decoded = await asyncio.to_thread(decode_forward, raw, state.element_budget())
+        decoded = await asyncio.to_thread(decode_forward, raw, budget)
     except proto.ProtoError as exc:
         raise WorkerError(400, "invalid_protobuf", str(exc), exc.field) from None
-    del raw
     model = state.model(decoded.model_id, tenant)
     error = decoded.error
     if error is None:
-        return gated(state, tenant, model, decoded.seq_id, decoded.digest, decoded.op, forward_result, decoded.size)
+        # While it waits for an earlier seq_id, a request keeps its body (smaller than the decoded op)
+        # and is decoded again, in a thread, when its turn comes.
+        reload = (len(raw), lambda: _op_again(raw, state.element_budget()))
+        return gated(state, tenant, model, decoded.seq_id, decoded.digest, decoded.op, forward_result, decoded.size,
+                     reload)
     # Refused: the seq_id is used up by a failed future, so the model's later requests are not held
     # back waiting for it, and the request itself is answered with the reason.
     code = "request_too_large" if error.status == 413 else "invalid_protobuf"
@@ -134,6 +149,13 @@ async def forward_backward(state: TinkerState, request: Request, tenant: str):
 
 def _raise_now(exc: BaseException):
     raise exc
+
+
+def _op_again(raw: bytes, budget: proto.ElementBudget) -> ForwardOp:
+    decoded = decode_forward(raw, budget)
+    if decoded.error is not None:  # checked once already: only a changed limit could get here
+        raise decoded.error
+    return decoded.op
 
 
 # --- optim_step ---------------------------------------------------------------------------------------

@@ -208,3 +208,59 @@ def test_seq_gate_full_queue():
         assert await tasks[r1] == 1 and handed == [1, 2] and gate.next == 3
 
     asyncio.run(scenario())
+
+
+def test_seq_gate_keeps_the_slim_form_while_waiting():
+    """A waiting request holds its smaller form (counted in HeldBytes), is prepared in a thread when its
+    turn comes, in order; a failed preparation fails only its own future."""
+    import threading
+
+    from server_mock.tinker_gate import HeldBytes, Slim
+
+    async def scenario():
+        held = HeldBytes(per_session=100, per_worker=1000)
+        gate = SeqGate(held=held, owner="s")
+        handed, prepared_on = [], []
+        futures: dict[str, asyncio.Future] = {}
+
+        def submitter(seq):
+            def submit():
+                handed.append(seq)
+
+                async def work():
+                    return seq
+
+                return work()
+
+            return submit
+
+        def slim(seq, size=10, broken=False):
+            def prepare():
+                prepared_on.append(threading.get_ident())
+                if broken:
+                    raise ValueError("cannot decode")
+                return submitter(seq)
+
+            return Slim(size, prepare)
+
+        def add(work):
+            rid = f"r{len(futures)}"
+            futures[rid] = asyncio.ensure_future(work)
+            return rid
+
+        r3 = gate.admit(3, "d", submitter(3), add, str, 50, slim(3))
+        r2 = gate.admit(2, "d", submitter(2), add, str, 50, slim(2, broken=True))
+        r4 = gate.admit(4, "d", submitter(4), add, str, 50, slim(4, size=80))  # not smaller: kept as is
+        assert held.by_session == {"s": 70} and handed == []
+        with pytest.raises(WorkerError, match="max_waiting_bytes_per_session=100"):
+            gate.admit(5, "d", submitter(5), add, str, 50)
+        r1 = gate.admit(1, "d", submitter(1), add, str, 50, slim(1))  # in order: runs at once, as it is
+        assert handed == [1]
+        assert await asyncio.wait_for(futures[r4], 5) == 4
+        assert handed == [1, 3, 4] and await futures[r3] == 3 and await futures[r1] == 1
+        with pytest.raises(ValueError, match="cannot decode"):
+            await futures[r2]
+        assert len(prepared_on) == 2 and threading.get_ident() not in prepared_on
+        assert held.total == 0 and held.by_session == {} and gate.next == 5
+
+    asyncio.run(scenario())

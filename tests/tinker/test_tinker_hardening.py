@@ -199,7 +199,7 @@ def test_sparse_tensor_bombs_are_refused_before_allocating(tinker_worker, raw_a)
 
 def _heavy_body(model_id: str, seq: int, n_tokens: int = 4096, n_elements: int = 32768) -> bytes:
     """A forward_backward as large as the limits allow: 4096 tokens and a 32768-element int64 input
-    (~280 kB on the wire, ~390 kB held once decoded into the service's form)."""
+    (~280 kB on the wire)."""
     message = pb.ForwardBackwardRequest(model_id=model_id, seq_id=seq, loss_fn="cross_entropy")
     datum = message.data.add()
     datum.model_input.add().encoded_text.tokens = np.zeros(n_tokens, "<i4").tobytes()
@@ -210,35 +210,45 @@ def _heavy_body(model_id: str, seq: int, n_tokens: int = 4096, n_elements: int =
 
 @pytest.mark.timeout(180)
 def test_bytes_held_by_out_of_order_requests_are_bounded(raw_a):
+    """A waiting request holds its body (the smaller form); 4 bodies' worth per session, 16 per worker."""
     models = [raw_a.model("tiny", seed=i) for i in range(5)]
+    size = len(_heavy_body(models[0], 2))
+    per_session, per_worker = (4 * MAX_BODY) // size, (16 * MAX_BODY) // size
+    assert per_session < per_worker <= per_session + 4 * (per_session - 1)  # five models are enough
 
     def hold(model: str, seqs) -> list[httpx.Response]:
         return [raw_a.forward_backward(model, s, body=_heavy_body(model, s)) for s in seqs]
 
-    held = hold(models[0], range(2, 12))  # 10 x ~390 kB wait for seq_id 1
+    held = hold(models[0], range(2, 2 + per_session))  # all wait for seq_id 1
     assert all(r.status_code == 200 for r in held), [r.text for r in held if r.status_code != 200]
-    second = hold(models[0], [12])[0]
+    second = hold(models[0], [2 + per_session])[0]
     assert second.status_code == 429 and second.headers["retry-after"] == "1", second.text
     assert f"max_waiting_bytes_per_session={4 * MAX_BODY}" in second.json()["detail"]
-    for model in models[1:4]:  # 40 waiting requests on the worker, ~15.7 MB
-        assert all(r.status_code == 200 for r in hold(model, range(2, 12)))
-    over = hold(models[4], [2])[0]
+    left, seq = per_worker - per_session, {}
+    for model in models[1:]:  # fill the worker
+        count = min(per_session - 1, left)
+        assert all(r.status_code == 200 for r in hold(model, range(2, 2 + count)))
+        left, seq[model] = left - count, 2 + count
+    assert left == 0
+    over = hold(models[4], [seq[models[4]]])[0]  # room in its session, none on the worker
     assert over.status_code == 429 and f"max_waiting_bytes_per_worker={16 * MAX_BODY}" in over.json()["detail"]
     # a request the limits would refuse anyway is refused at once, never held
-    r = raw_a.forward_backward(models[4], 2, body=_heavy_body(models[4], 2, n_tokens=4097))
+    late = seq[models[4]]
+    r = raw_a.forward_backward(models[4], late, body=_heavy_body(models[4], late, n_tokens=4097))
     assert r.status_code == 413 and "max_tokens_per_request=4096" in r.json()["detail"], r.text
-    r = raw_a.forward_backward(models[4], 3, body=_heavy_body(models[4], 3, n_elements=32769))
+    r = raw_a.forward_backward(models[4], late + 1, body=_heavy_body(models[4], late + 1, n_elements=32769))
     assert r.status_code == 413 and "data[0].loss_fn_inputs.target_tokens" == r.json()["field"], r.text
-    # seq_id 1 arrives: the held requests run (and fail: 4096 tokens is over the tiny model's context),
-    # and what they held is given back
+    # seq_id 1 arrives: the held requests are decoded again and run (and fail in the service: 4096 tokens
+    # is over the tiny model's context), and what they held is given back
     raw_a.run_forward(models[0], 1)
     failed = raw_a.result(held[-1].json()["request_id"])
-    assert failed["error"].startswith("data[0]") and failed["category"] == "user", failed
-    assert hold(models[4], [5])[0].status_code == 200  # seq_id 4 is next: this one waits
+    assert failed["error"].startswith("data[0].tokens") and failed["category"] == "user", failed
+    assert hold(models[4], [late + 2])[0].status_code == 200
     for model in models[1:]:  # finishing a session fails its waiting requests and frees their bytes
         session = model.split(":train:")[0]
         assert raw_a.post(f"/sessions/{session}/finish", json={}).status_code == 200
-    assert all(r.status_code == 200 for r in hold(models[0], range(13, 23)))
+    after = 3 + per_session  # models[0] is at seq_id 2 + per_session now; these wait behind it
+    assert all(r.status_code == 200 for r in hold(models[0], range(after, after + per_session)))
 
 
 @pytest.mark.timeout(120)
