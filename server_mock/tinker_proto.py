@@ -120,8 +120,10 @@ def decode_tensor(tensor: pb.Tensor, where: str, budget: ElementBudget) -> np.nd
         count = _declared_count(shape, where)
         budget.take(count, f"{where}.shape")
         return _csr_to_dense(tensor.sparse_csr, tensor.dtype, shape, where)
+    np_dtype = _NP_DTYPES.get(tensor.dtype)
+    if np_dtype is not None:  # counted before the array is made
+        budget.take(len(tensor.dense) // np.dtype(np_dtype).itemsize, where)
     arr = _array_from_bytes(tensor.dense, tensor.dtype, where)
-    budget.take(arr.size, where)
     if shape:
         if _declared_count(shape, where) != arr.size:
             raise ProtoError(f"{where}.shape", f"{shape} does not match the {arr.size} values sent")
