@@ -19,9 +19,10 @@ class Recorder(httpx.AsyncBaseTransport):
     """Passes requests to the worker; records their timeouts and how many sample / training requests were
     submitted and not yet finished at once. Can fail the tokenizer download and slow down polls."""
 
-    def __init__(self, fail_tokenizer: int = 0, poll_delay: float = 0.0) -> None:
+    def __init__(self, fail_tokenizer: int = 0, poll_delay: float = 0.0, fail_suffix: str | None = None) -> None:
         self.inner = httpx.AsyncHTTPTransport()
-        self.fail_tokenizer, self.poll_delay = fail_tokenizer, poll_delay
+        self.fail_tokenizer, self.poll_delay, self.fail_suffix = fail_tokenizer, poll_delay, fail_suffix
+        self.failed_at: list[float] = []  # when each request ending in fail_suffix was answered 503
         self.requests: list[tuple[str, str, float | None, dict]] = []
         self.tokenizer_attempts = 0
         self.active: dict[str, set[str]] = {"sample": set(), "op": set()}
@@ -31,6 +32,9 @@ class Recorder(httpx.AsyncBaseTransport):
         path = request.url.path
         self.requests.append((request.method, path, request.extensions["timeout"]["read"],
                               dict(request.url.params)))
+        if self.fail_suffix and path.endswith(self.fail_suffix):
+            self.failed_at.append(time.monotonic())
+            return httpx.Response(503, json={"error": {"code": "unavailable", "message": "injected"}})
         if path == "/v1/tokenizer":
             self.tokenizer_attempts += 1
             if self.tokenizer_attempts <= self.fail_tokenizer:
@@ -92,6 +96,48 @@ def test_retry_max_attempts_bounds_the_tokenizer_download(worker):
     with trio.ServiceClient(base_url=worker.base_url, _transport=rec) as service:
         tokenizer = service.create_sampling_client(base_model="tiny").get_tokenizer()
     assert rec.tokenizer_attempts == 3 and len(tokenizer) > 0
+
+
+def test_backoff_options_shape_the_retries_and_each_window_ends_them(worker):
+    trio.configure(retry_initial_delay_seconds=0.05, retry_multiplier=3, retry_max_delay_seconds=0.3,
+                   retry_jitter_ratio=0, control_retry_timeout_seconds=1.0)
+    rec = Recorder(fail_suffix="/capabilities")
+    with trio.ServiceClient(base_url=worker.base_url, _transport=rec) as service:
+        started = time.monotonic()
+        with pytest.raises(APIError) as info:
+            service.get_server_capabilities()
+        elapsed = time.monotonic() - started
+    assert info.value.status_code == 503 and 0.9 < elapsed < 1.6
+    gaps = [b - a for a, b in zip(rec.failed_at, rec.failed_at[1:])]
+    expected = [0.05, 0.15, 0.3, 0.3]  # x3 each time, capped at 0.3, no jitter
+    assert len(gaps) >= 4 and all(abs(g - e) < 0.04 for g, e in zip(gaps, expected)), gaps
+    for window, suffix, call in [
+        ("sampling_retry_timeout_seconds", "/sample",
+         lambda s: s.create_sampling_client(base_model="tiny").sample(
+             trio.ModelInput.from_ints([5]), sampling_params=trio.SamplingParams(max_tokens=1)).result()),
+        ("training_retry_timeout_seconds", "/ops",
+         lambda s: s.create_lora_training_client(base_model="tiny", rank=4).forward([_datum()]).result()),
+    ]:
+        trio.configure(**{window: 0.4})
+        rec = Recorder(fail_suffix=suffix)
+        with trio.ServiceClient(base_url=worker.base_url, _transport=rec) as service:
+            with pytest.raises(APIError):
+                call(service)
+        assert 0.3 < rec.failed_at[-1] - rec.failed_at[0] < 0.7, (window, rec.failed_at)
+
+
+def test_log_level_sets_the_sdk_logger():
+    import logging
+
+    logger = logging.getLogger("pytrio_compat")
+    before = logger.level
+    try:
+        trio.configure(log_level="debug")
+        assert logger.level == logging.DEBUG
+        trio.configure(log_level="WARNING")
+        assert logger.level == logging.WARNING
+    finally:
+        logger.setLevel(before)
 
 
 @pytest.mark.parametrize("limit, expected", [(2, 2), (16, 6)])
