@@ -101,8 +101,8 @@ async def chat_completions(gen: Generator, request: Request, tenant: str):
                      limits.max_sample_tokens)
     sampler_id, host = await gen.resolve(req.model, tenant)
     prompt = render.render_chat(host.tokenizer, req.messages)
-    job = gen.submit(sampler_id, host, prompt, req, tenant, "messages")
-    work = gen.choices(sampler_id, host, [prompt], [job], req, tenant, "messages")
+    jobs = gen.submit_all(sampler_id, host, [prompt], req, tenant, "messages")
+    work = functools.partial(gen.choices, sampler_id, host, [prompt], jobs, req, tenant, "messages")
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     if req.stream:
         head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": req.model,
@@ -112,7 +112,7 @@ async def chat_completions(gen: Generator, request: Request, tenant: str):
         chunks = functools.partial(render.chat_chunks, host.tokenizer)
         return _stream(head, first, work, lambda c: chunks(c, req.logprobs, req.return_token_ids)[1:], req,
                        len(prompt))
-    choices = await work
+    choices = await work()
     body = {"id": rid, "object": "chat.completion", "created": created, "model": req.model,
             "choices": [render.chat_choice(host.tokenizer, c, req.logprobs, req.return_token_ids) for c in choices],
             "usage": render.usage(len(prompt), choices), "system_fingerprint": None}
@@ -127,15 +127,15 @@ async def completions(gen: Generator, request: Request, tenant: str):
                            limits.max_sample_tokens)
     sampler_id, host = await gen.resolve(req.model, tenant)
     prompts = [render.encode_prompt(host.tokenizer, p) for p in req.prompts]
-    jobs = [gen.submit(sampler_id, host, p, req, tenant, "prompt") for p in prompts]
-    work = gen.choices(sampler_id, host, prompts, jobs, req, tenant, "prompt")
+    jobs = gen.submit_all(sampler_id, host, prompts, req, tenant, "prompt")
+    work = functools.partial(gen.choices, sampler_id, host, prompts, jobs, req, tenant, "prompt")
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     prompt_tokens = sum(len(p) for p in prompts)
     if req.stream:
         head = {"id": rid, "object": "text_completion", "created": created, "model": req.model}
         chunks = functools.partial(render.completion_chunks, host.tokenizer)
         return _stream(head, [], work, lambda c: chunks(c, req.logprobs, req.return_token_ids), req, prompt_tokens)
-    choices = await work
+    choices = await work()
     body = {"id": rid, "object": "text_completion", "created": created, "model": req.model,
             "choices": [render.completion_choice(host.tokenizer, c, req.logprobs, req.return_token_ids)
                         for c in choices],
@@ -146,14 +146,15 @@ async def completions(gen: Generator, request: Request, tenant: str):
 
 
 def _stream(head: dict, first: list[dict], work, chunks_of, req: Generation, prompt_tokens: int) -> StreamingResponse:
-    """Server-sent events: ``first`` at once, then each choice's chunks, usage if asked, ``[DONE]``."""
+    """Server-sent events: ``first`` at once, then each choice's chunks (``work()`` gives the choices),
+    usage if asked, then ``[DONE]``."""
     usage_field = {"usage": None} if req.include_usage else {}
 
     def event(payload: dict) -> str:
         return f"data: {json.dumps(payload)}\n\n"
 
     async def events():
-        task = asyncio.ensure_future(work)
+        task = asyncio.ensure_future(work())
         try:
             for chunk in first:
                 yield event({**head, "choices": [chunk], **usage_field})

@@ -96,8 +96,21 @@ class Generator:
         host = await self.service.host(sampler.base_model, "model")
         return sampler.sampler_id, host
 
-    def submit(self, sampler_id: str, host, prompt: list[int], gen: Generation, tenant: str, prompt_field: str):
-        """Queue one prompt's ``n`` samples; returns the service job."""
+    def submit_all(self, sampler_id: str, host, prompts: list[list[int]], gen: Generation, tenant: str,
+                   prompt_field: str) -> list:
+        """Check every prompt, then queue each one's ``n`` samples; returns the service jobs."""
+        requests = [self.prepare(host, prompt, gen, prompt_field, f" of prompt {i}" if len(prompts) > 1 else "")
+                    for i, prompt in enumerate(prompts)]
+        return [self._submit(sampler_id, r, tenant, prompt_field, gen.max_tokens_field) for r in requests]
+
+    def prepare(self, host, prompt: list[int], gen: Generation, prompt_field: str, which: str = "") -> SampleRequest:
+        """One prompt's native sample request, checked against the vocabulary and the model's context."""
+        vocab = getattr(host, "vocab_size", None)
+        bad = next((i for i, t in enumerate(prompt) if vocab is not None and not 0 <= t < vocab), None)
+        if bad is not None:
+            raise WorkerError(400, "token_id_out_of_range", f"{prompt_field}: token id {prompt[bad]} at position "
+                                                            f"{bad}{which} is outside the vocabulary [0, {vocab})",
+                              prompt_field)
         limits = self.service.limits
         context = host.max_seq_len or (len(prompt) + limits.max_sample_tokens + 1)
         room = context - len(prompt) - (1 if gen.top_logprobs else 0)  # top logprobs re-read the answer + 1
@@ -114,11 +127,10 @@ class Generator:
                               + (" (top_logprobs needs one more)" if gen.top_logprobs else ""), gen.max_tokens_field)
         else:
             max_tokens = gen.max_tokens
-        request = SampleRequest(
+        return SampleRequest(
             prompt_tokens=prompt, num_samples=gen.n, return_text=False,
             sampling_params=WireSamplingParams(max_tokens=max_tokens, temperature=gen.temperature, top_k=gen.top_k,
                                                top_p=gen.top_p, seed=gen.seed, stop=gen.stop or None))
-        return self._submit(sampler_id, request, tenant, prompt_field, gen.max_tokens_field)
 
     def _submit(self, sampler_id: str, request: SampleRequest, tenant: str, prompt_field: str,
                 max_tokens_field: str = "max_tokens"):

@@ -153,8 +153,11 @@ def test_queue_limit_is_429(tiny_model_dir, tmp_path):
         with openai.OpenAI(base_url=openai_url(proc), api_key=KEY_A, max_retries=0) as client:
             with pytest.raises(openai.RateLimitError) as info:  # the second prompt finds the first queued
                 client.completions.create(model="tiny", prompt=["one", "two"], max_tokens=2)
+            with pytest.raises(openai.BadRequestError) as bad:  # every prompt is checked before any is queued
+                client.completions.create(model="tiny", prompt=[[5, 6], [7, 8], [9999]], max_tokens=2)
         assert info.value.response.headers["Retry-After"] == "1"
         assert "max_queued_requests=1" in info.value.response.json()["error"]["message"]
+        assert "9999 at position 0 of prompt 2" in bad.value.response.json()["error"]["message"]
     finally:
         proc.stop()
 
