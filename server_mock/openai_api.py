@@ -167,6 +167,10 @@ def _stream(head: dict, first: list[dict], work, chunks_of, req: Generation, pro
             except WorkerError as exc:
                 yield event(error_body(exc))
                 return
+            except Exception as exc:  # noqa: BLE001 - the client hears of it, in the stream
+                logger.exception("openai: streamed request failed")
+                yield event(error_body(WorkerError(500, "internal_error", f"{type(exc).__name__}: {exc}")))
+                return
             for choice in choices:
                 for chunk in chunks_of(choice):
                     yield event({**head, "choices": [chunk], **usage_field})
