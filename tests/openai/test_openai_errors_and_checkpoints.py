@@ -155,6 +155,16 @@ def test_queue_limit_is_429(tiny_model_dir, tmp_path):
                 client.completions.create(model="tiny", prompt=["one", "two"], max_tokens=2)
             with pytest.raises(openai.BadRequestError) as bad:  # every prompt is checked before any is queued
                 client.completions.create(model="tiny", prompt=[[5, 6], [7, 8], [9999]], max_tokens=2)
+            # a failure once a stream has started arrives as an error event: here the top-logprobs pass of
+            # the second choice finds the first one's queued
+            stream = client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=2, n=2,
+                                                    logprobs=True, top_logprobs=1, stream=True)
+            roles = []
+            with pytest.raises(openai.APIError) as streamed:
+                for chunk in stream:
+                    roles.append(chunk.choices[0].delta.role)
+            assert roles == ["assistant", "assistant"]  # sent before decoding ended
+            assert "max_queued_requests=1" in streamed.value.message
         assert info.value.response.headers["Retry-After"] == "1"
         assert "max_queued_requests=1" in info.value.response.json()["error"]["message"]
         assert "9999 at position 0 of prompt 2" in bad.value.response.json()["error"]["message"]
