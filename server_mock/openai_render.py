@@ -65,16 +65,21 @@ def finish(tokenizer, index: int, sequence: dict, stop: list[str], stop_ids: set
 def pieces(tokenizer, tokens: list[int], text: str) -> list[str]:
     """Split ``text`` into one piece per token, in order; the pieces join to exactly ``text``.
 
-    A token that ends inside a multi-byte character gets an empty piece; the character comes with
-    the token that completes it.
+    Each token's piece is what it adds to the decoded text, found by decoding a short window before it
+    (so the cost grows with the length, not its square). A token that ends inside a multi-byte character
+    gets an empty piece; the character comes with the token that completes it.
     """
     out, emitted = [], 0
-    for k in range(1, len(tokens) + 1):
-        prefix = tokenizer.decode(tokens[:k], skip_special_tokens=True)
-        if prefix.endswith("\ufffd") and k < len(tokens):
-            out.append("")
-            continue
-        end = min(len(text), max(emitted, len(prefix)))
+    prefix, read = 0, 0  # tokens[prefix:read] were decoded already; the window starts at prefix
+    for k in range(len(tokens)):
+        before = tokenizer.decode(tokens[prefix:read], skip_special_tokens=True)
+        now = tokenizer.decode(tokens[prefix:k + 1], skip_special_tokens=True)
+        if len(now) > len(before) and not now.endswith("\ufffd"):
+            added = len(now) - len(before)
+            prefix, read = read, k + 1
+        else:
+            added = 0
+        end = min(len(text), emitted + added)
         out.append(text[emitted:end])
         emitted = end
     if out:
