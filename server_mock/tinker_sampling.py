@@ -141,7 +141,7 @@ async def asample(state: TinkerState, request: Request, tenant: str):
     service = state.service
     sampler_id, shared = await _sampler_for(state, body, tenant)
     sampler = service.get_sampler(sampler_id, tenant)
-    seq_id = body.get("seq_id")
+    seq_id = field(body, "seq_id", int, required=False)
     key = (sampler.sampler_id, seq_id)
     dedupe = seq_id is not None and not shared  # shared samplers serve many clients: no seq_id of their own
     if dedupe and key in state.samples:

@@ -11,9 +11,11 @@ model keeps answering, with the same numbers, while it runs.
 from __future__ import annotations
 
 import hashlib
+import json
 import statistics
 import time
 
+import httpx
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -23,6 +25,7 @@ from tinker_raw_client import RawTinker, logprobs
 
 KEY_A, KEY_B = "tml-fuzz-a", "tml-fuzz-b"
 EXAMPLES = 400
+JSON_EXAMPLES = 500
 PROBE_EVERY = 10
 LOSSES = ["cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "bogus", ""]
 INPUT_KEYS = ["target_tokens", "logprobs", "advantages", "weights", "mask"]
@@ -174,3 +177,100 @@ def test_fuzzed_protobuf_bodies_never_crash_or_change_weights(tinker_worker):
     assert len(seen) > EXAMPLES // 2 and max(latencies) < 5.0
     a.close()
     b.close()
+
+
+JSON_ROUTES = {  # route -> the fields its handler reads
+    "/create_session": ["tags", "user_metadata"],
+    "/session_heartbeat": ["session_id"],
+    "/create_model": ["session_id", "model_seq_id", "base_model", "lora_config", "optimizer_config"],
+    "/get_info": ["model_id"],
+    "/optim_step": ["model_id", "seq_id", "adam_params", "optim_params", "optimizer_params"],
+    "/save_weights": ["model_id", "seq_id", "path", "ttl_seconds", "overwrite"],
+    "/save_weights_for_sampler": ["model_id", "seq_id", "path", "ttl_seconds"],
+    "/load_weights": ["model_id", "seq_id", "path", "optimizer", "session_id", "model_seq_id", "base_model"],
+    "/weights_info": ["tinker_path"],
+    "/create_sampling_session": ["session_id", "sampling_session_seq_id", "base_model", "model_path"],
+    "/asample": ["sampling_session_id", "seq_id", "base_model", "model_path", "prompt", "num_samples",
+                 "sampling_params", "prompt_logprobs", "prompt_logprobs_last_n", "topk_prompt_logprobs"],
+    "/retrieve_future": ["request_id", "allow_metadata_only"],
+}
+_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.integers(-3, 5),
+                     st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=12),
+                     st.sampled_from(["tiny", "tinker://run-x/weights/a", "tinker://../../etc/passwd",
+                                      "cross_entropy"]))
+
+
+def _json_value(known: list[str]):
+    """Any JSON value: as often a list or an object as a scalar (wrong types are the point)."""
+    scalars = st.one_of(_SCALARS, st.sampled_from(known))
+    keys = st.sampled_from(["type", "tokens", "chunks", "max_tokens", "stop", "seed", "rank", "learning_rate",
+                            "temperature", "top_k", "top_p", "beta1", "eps"])
+    nested = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=4),
+                                                           st.dictionaries(keys, inner, max_size=4)), max_leaves=12)
+    return st.one_of(scalars, st.lists(nested, max_size=3), st.dictionaries(keys, nested, max_size=3))
+
+
+@pytest.mark.timeout(600)
+def test_fuzzed_json_bodies_never_crash(tinker_worker):
+    a = RawTinker(tinker_worker.base_url, KEY_A, timeout=30)
+    session = a.session()
+    model = a.model("tiny", seed=21)
+    sampler = a.post("/create_sampling_session", json={"session_id": session, "sampling_session_seq_id": 0,
+                                                       "base_model": "tiny"}).json()["sampling_session_id"]
+    known = [session, model, sampler, "tk-nope"]
+    prompt = {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]}
+    templates = {  # well-formed bodies; each example drops or replaces a few of their fields
+        "/create_session": {"tags": [], "type": "create_session"},
+        "/session_heartbeat": {"session_id": session},
+        "/create_model": {"session_id": session, "model_seq_id": 1, "base_model": "tiny", "lora_config": {"rank": 4}},
+        "/get_info": {"model_id": model},
+        "/optim_step": {"model_id": model, "seq_id": 1, "adam_params": {"learning_rate": 1e-3}},
+        "/save_weights": {"model_id": model, "seq_id": 1, "path": "fuzz"},
+        "/save_weights_for_sampler": {"model_id": model, "seq_id": 1, "path": "fuzz"},
+        "/load_weights": {"model_id": model, "seq_id": 1, "path": "tinker://run-x/weights/a"},
+        "/weights_info": {"tinker_path": "tinker://run-x/weights/a"},
+        "/create_sampling_session": {"session_id": session, "sampling_session_seq_id": 1, "base_model": "tiny"},
+        "/asample": {"sampling_session_id": sampler, "prompt": prompt, "num_samples": 1,
+                     "sampling_params": {"max_tokens": 2}},
+        "/retrieve_future": {"request_id": "tk-nope"},
+    }
+    seen: set[str] = set()
+    futures: list[str] = []
+
+    @settings(max_examples=JSON_EXAMPLES, deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(route=st.sampled_from(sorted(JSON_ROUTES)), data=st.data())
+    def attack(route: str, data) -> None:
+        body = dict(templates[route])
+        for name in data.draw(st.lists(st.sampled_from(JSON_ROUTES[route]), unique=True, min_size=1, max_size=3)):
+            if data.draw(st.integers(0, 3)) == 0:
+                body.pop(name, None)
+            else:
+                body[name] = data.draw(_json_value(known))
+        if data.draw(st.integers(0, 19)) == 0:
+            body = data.draw(_json_value(known))
+        raw = json.dumps(body).encode()
+        seen.add(hashlib.sha256(route.encode() + raw).hexdigest())
+        r = a.post(route, content=raw, headers={"Content-Type": "application/json"})
+        assert r.status_code < 500, (route, body, r.text)
+        if r.status_code >= 400:
+            assert r.json()["code"] != "internal_error", (route, body, r.text)
+        elif isinstance(r.json(), dict) and "request_id" in r.json() and route != "/retrieve_future":
+            futures.append(r.json()["request_id"])
+
+    attack()
+    server_failures = []
+    for request_id in futures[:40]:  # the ones that finish: none failed as a server error
+        try:
+            r = a.http.post(a.base + "/retrieve_future", json={"request_id": request_id}, timeout=2)
+        except httpx.TimeoutException:
+            continue  # waits for an earlier seq_id
+        out = r.json() if "json" in r.headers.get("content-type", "") else {}
+        if out.get("category") == "server":
+            server_failures.append(out)
+    assert not server_failures, server_failures[:3]
+    log = (tinker_worker.storage.parent / "worker.log").read_text()
+    assert "Traceback" not in log and "unhandled" not in log, log[-3000:]
+    assert httpx.get(tinker_worker.base_url + "/api/v1/healthz").status_code == 200
+    print(f"\njson fuzz: {len(seen)} distinct bodies, {len(futures)} futures")
+    a.close()
