@@ -74,6 +74,8 @@ def test_wrong_key_is_an_authentication_error(worker):
     ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"stop": "x" * 1025}, "stop"),
+    ({"stop": [""]}, "stop"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
     ({"messages": []}, "messages"),
