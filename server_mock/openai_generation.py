@@ -36,8 +36,8 @@ def openai_error(exc: WorkerError, prompt_field: str, max_tokens_field: str = "m
     if param == "max_tokens":
         param = max_tokens_field
     message = exc.message
-    if message.startswith(f"{exc.field}: "):
-        message = f"{param}: " + message[len(exc.field) + 2:]
+    if message.startswith(exc.field):  # "sampling_params.stop[0]: ..." -> "stop[0]: ..."
+        message = param + message[len(exc.field):]
     status, code = exc.status, exc.code
     if exc.code == "checkpoint_not_found":
         status, code = 404, "model_not_found"

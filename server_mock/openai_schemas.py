@@ -17,7 +17,6 @@ from pydantic import ValidationError as PydanticValidationError
 from .errors import WorkerError
 
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit
-MAX_STOP_CHARS = 1024  # each stop sequence is searched for in the decoded text after every token
 MAX_TOP_LOGPROBS = 20  # chat top_logprobs (and the worker's top-k prompt logprobs limit)
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions `logprobs` integer
 ROLES = ("system", "developer", "user", "assistant")
@@ -188,9 +187,8 @@ def _common(req: _Common, max_tokens: int | None, max_field: str, max_samples: i
     if req.top_k < -1:
         raise invalid("top_k", f"must be -1 (off) or >= 0, got {req.top_k}")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    if len(stop) > MAX_STOP_SEQUENCES or any(not 0 < len(s) <= MAX_STOP_CHARS for s in stop):
-        raise invalid("stop", f"must be up to {MAX_STOP_SEQUENCES} non-empty strings of at most {MAX_STOP_CHARS} "
-                              "characters")
+    if len(stop) > MAX_STOP_SEQUENCES or any(not s for s in stop):  # their length: the worker's limit
+        raise invalid("stop", f"must be up to {MAX_STOP_SEQUENCES} non-empty strings")
     if req.seed is not None and not -(2**63) <= req.seed < 2**64:
         raise invalid("seed", "must fit in 64 bits")
     if req.stream_options is not None and not req.stream:
