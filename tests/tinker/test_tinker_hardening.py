@@ -279,3 +279,22 @@ def test_get_info_names_the_model_not_server_paths(tinker_worker, raw_a, tiny_mo
     for secret in (str(tiny_model_dir), str(tiny_model_dir.resolve()), str(tinker_worker.storage)):
         assert secret not in text
     assert "/" not in text.replace(model, "")
+
+
+@pytest.mark.timeout(120)
+def test_open_sessions_are_bounded_per_api_key(raw_a, raw_b):
+    from server_mock.tinker_state import MAX_SESSIONS_PER_TENANT
+
+    opened = []
+    while True:
+        r = raw_b.post("/create_session", json={"tags": [], "type": "create_session"})
+        if r.status_code != 200:
+            break
+        opened.append(r.json()["session_id"])
+        assert len(opened) <= MAX_SESSIONS_PER_TENANT
+    assert r.status_code == 429 and f"max_sessions={MAX_SESSIONS_PER_TENANT}" in r.json()["detail"], r.text
+    assert raw_a.session().startswith("sess-")  # another API key is not affected
+    assert raw_b.post(f"/sessions/{opened[0]}/finish", json={}).status_code == 200
+    assert raw_b.session().startswith("sess-")  # a finished session frees its place
+    for session in opened[1:]:
+        raw_b.post(f"/sessions/{session}/finish", json={})
