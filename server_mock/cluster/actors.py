@@ -1,0 +1,195 @@
+"""The code that runs inside the cluster's actor processes: trainer ranks and sampler replicas.
+
+Each actor holds its own copy of the base model in a ``ModelHost``. A ``WorkerError`` (a request's
+fault, e.g. a non-finite loss) comes back as a ``Refusal`` value rather than a Ray task error, so the
+front end can answer it exactly as the in-process worker does.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import os
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pytrio_compat.types import AdamParams
+from pytrio_compat.wire import LoraSpec
+
+from ..errors import WorkerError
+from ..training import ModelHost, TrainOptions
+from . import data_parallel
+
+
+@dataclass
+class Refusal:
+    status: int
+    code: str
+    message: str
+    field: str | None
+
+    def error(self) -> WorkerError:
+        return WorkerError(self.status, self.code, self.message, self.field)
+
+
+def _refusing(fn):
+    @functools.wraps(fn)  # Ray reads the method's signature through __wrapped__
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except WorkerError as exc:
+            return Refusal(exc.status, exc.code, exc.message, exc.field)
+    return wrapper
+
+
+def _host(name: str, source: str, device: str, dtype: str, max_seq_len: int | None, options: TrainOptions,
+          threads: int) -> ModelHost:
+    torch.set_num_threads(max(1, threads))
+    # the same known, harmless library notices the CLI silences in the front end
+    warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+    return ModelHost(name, source, device, getattr(torch, dtype), max_seq_len, options)
+
+
+class TrainerRank:
+    """One data-parallel rank of a trainer group: every run of the group has its adapter and Adam state here."""
+
+    def __init__(self, name: str, source: str, device: str, dtype: str, max_seq_len: int | None,
+                 options: TrainOptions, threads: int) -> None:
+        self.device = device
+        self.host = _host(name, source, device, dtype, max_seq_len, options, threads)
+        self.world = 1
+        self._grads_before: dict[str, dict] = {}  # run -> its gradients before the last forward_backward
+
+    def ping(self) -> int:
+        return os.getpid()
+
+    def rendezvous(self) -> str:
+        return data_parallel.free_address()
+
+    def join(self, init_method: str, rank: int, world: int) -> None:
+        data_parallel.join_group(init_method, rank, world, self.device)
+        self.world = world
+
+    def runs(self) -> list[str]:
+        return sorted(self.host.adapters)
+
+    def create(self, run_id: str, spec: dict) -> int:
+        return self.host.create_adapter(run_id, LoraSpec.model_validate(spec)).seed
+
+    def delete(self, run_id: str) -> None:
+        self._grads_before.pop(run_id, None)
+        adapter = self.host.adapters.pop(run_id, None)
+        if adapter is not None:
+            for param in adapter.params.values():
+                param.grad = None
+        peft = self.host.peft
+        if peft is None:
+            return
+        unused = [n for n in peft.peft_config if n.startswith("run-") and n not in self.host.adapters]
+        if len(unused) == len(peft.peft_config):
+            unused = unused[1:]  # PEFT cannot drop its last adapter cleanly: one stays until another exists
+        for adapter_name in unused:
+            self.host.delete_adapter(adapter_name)
+
+    def _adapter(self, run_id: str):
+        adapter = self.host.adapters.get(run_id)
+        if adapter is None:
+            raise WorkerError(404, "training_run_not_found", f"unknown training run: {run_id}")
+        return adapter
+
+    @_refusing
+    def forward_backward(self, run_id: str, data: list, loss_fn: str, config: dict, backward: bool):
+        adapter = self._adapter(run_id)
+        if backward:
+            self._grads_before[run_id] = {n: None if p.grad is None else p.grad.clone()
+                                          for n, p in adapter.params.items()}
+        data = [{k: np.array(v) for k, v in d.items()} for d in data]  # writable copies of the object-store views
+        if not data:
+            return {"outputs": [], "metrics": {"loss_sum": 0.0, "loss_mean": 0.0, "token_count": 0.0,
+                                               "loss:sum": 0.0}}
+        return self.host.forward_backward(adapter, data, loss_fn, config, backward)
+
+    def undo_backward(self, run_id: str) -> None:
+        """Put back the gradients from before the last forward_backward (another rank refused its shard)."""
+        saved = self._grads_before.pop(run_id, None)
+        adapter = self.host.adapters.get(run_id)
+        if saved is None or adapter is None:
+            return
+        for name, param in adapter.params.items():
+            param.grad = saved[name]
+
+    @_refusing
+    def optim_step(self, run_id: str, adam: dict) -> dict:
+        adapter = self._adapter(run_id)
+        self._grads_before.pop(run_id, None)
+        if self.world > 1:
+            data_parallel.sum_gradients(adapter.params)
+        return self.host.optim_step(adapter, AdamParams.model_validate(adam))
+
+    def adapter_weights(self, run_id: str) -> dict:
+        return {k: v.cpu() for k, v in self.host.adapter_weights(self._adapter(run_id)).items()}
+
+    def optimizer_state(self, run_id: str) -> dict:
+        return {k: v.cpu() for k, v in self.host.optimizer_state(self._adapter(run_id)).items()}
+
+    @_refusing
+    def load_adapter_weights(self, run_id: str, tensors: dict) -> None:
+        self.host.load_adapter_weights(self._adapter(run_id), tensors)
+
+    @_refusing
+    def load_optimizer_state(self, run_id: str, state: dict | None) -> int:
+        adapter = self._adapter(run_id)
+        self.host.load_optimizer_state(adapter, state)
+        return adapter.optim_steps
+
+    def snapshot(self, run_id: str):
+        snap = self.host.snapshot(self._adapter(run_id))
+        snap.tensors = {k: v.cpu() for k, v in snap.tensors.items()}
+        return snap
+
+
+class SamplerReplica:
+    """A copy of the base model that samples; adapter snapshots are fetched from the object store on first
+    use and kept, the least recently used dropped beyond ``keep``."""
+
+    def __init__(self, index: int, name: str, source: str, device: str, dtype: str, max_seq_len: int | None,
+                 options: TrainOptions, threads: int, keep: int) -> None:
+        self.index = index
+        self.keep = max(1, keep)
+        self.host = _host(name, source, device, dtype, max_seq_len, options, threads)
+        self.snapshots: collections.OrderedDict[str, object] = collections.OrderedDict()
+        self.fetched = 0
+        self.batches = 0
+
+    def ping(self) -> int:
+        return os.getpid()
+
+    def stats(self) -> dict:
+        return {"index": self.index, "pid": os.getpid(), "fetched": self.fetched, "batches": self.batches,
+                "snapshots": list(self.snapshots)}
+
+    def _snapshot(self, snapshot_id: str | None, holder: list | None):
+        if snapshot_id is None:
+            return None
+        snap = self.snapshots.get(snapshot_id)
+        if snap is None:
+            import ray
+
+            snap = ray.get(holder[0])  # published once by the front end (ray.put); fetched here once
+            self.fetched += 1
+            self.snapshots[snapshot_id] = snap
+            while len(self.snapshots) > self.keep:
+                self.snapshots.popitem(last=False)
+        else:
+            self.snapshots.move_to_end(snapshot_id)
+        return snap
+
+    def sample(self, snapshot_id: str | None, holder: list | None, specs: list) -> tuple[list, dict, int]:
+        timings: dict[str, float] = {}
+        results = self.host.sample_batch(self._snapshot(snapshot_id, holder), specs, timings)
+        self.batches += 1
+        return results, timings, self.index

@@ -1,0 +1,259 @@
+"""``RemoteModelHost``: the front end's stand-in for a ``ModelHost`` whose model lives on Ray actors.
+
+It answers what the service reads locally (tokenizer, vocab size, context length, the LoRA layout,
+from a copy of the model built on the ``meta`` device: no weights in the front end) and forwards the
+work: sampling to the sampler replicas, each run's training to the trainer group that owns it. Runs are
+placed on the group with the fewest runs and stay there.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import secrets
+import threading
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+
+from ..engine import ModelQueue
+from ..errors import WorkerError
+from ..storage import CheckpointStore
+from ..training import ModelHost, Snapshot, TrainOptions
+from . import data_parallel
+from .sampler_pool import SamplerPool
+from .trainer_group import GroupLost, TrainerGroup, raise_refusals
+
+logger = logging.getLogger("server_mock")
+
+PUBLISHED_SNAPSHOTS = 64  # snapshots kept in the object store by the front end (least recently used dropped)
+
+
+@dataclass
+class RemoteAdapter:
+    """What the service keeps of a run's adapter; the weights and Adam state live on its trainer group."""
+
+    adapter_id: str
+    spec: object
+    seed: int
+    group: TrainerGroup
+    optim_steps: int = 0
+    params: dict = field(default_factory=dict)  # none here (fault injection hooks have nothing to wrap)
+
+
+class _RunTable(dict):
+    """``host.adapters``: dropping a run (``pop``, as deleting a run does) also frees it on its trainers."""
+
+    def __init__(self, host: "RemoteModelHost") -> None:
+        super().__init__()
+        self._host = host
+
+    def pop(self, key, *default):
+        if key in self:
+            self._host.delete_adapter(key)
+            return None
+        return default[0] if default else super().pop(key)
+
+
+class ReplicaQueue(ModelQueue):
+    """The model's sampling queue with one draining thread per replica, so that replicas sample in parallel.
+    Requests for the same weights are still coalesced into one batch before a thread sends it."""
+
+    def __init__(self, name: str, loop, threads: int) -> None:
+        super().__init__(name, loop)
+        self._more = [threading.Thread(target=self._run, name=f"model-{name}-{i}", daemon=True)
+                      for i in range(1, threads)]
+        for thread in self._more:
+            thread.start()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+
+
+def _meta_model(source: str):
+    """The model's modules without weights (on the meta device), its tokenizer and resolved source."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from ..model_loading import resolve_source
+    from ..model_support import refuse
+
+    source = resolve_source(source)
+    config = AutoConfig.from_pretrained(source)
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise refuse(config.model_type, "transformers has no causal-LM class for it (the worker samples and "
+                                        "trains text-only causal language models)")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(source)
+    except OSError:
+        pass  # no generation_config.json: the defaults from the config stand
+    return model, AutoTokenizer.from_pretrained(source), source
+
+
+class RemoteModelHost:
+    # the LoRA layout and adapter config come from the module tree alone, as in ModelHost
+    _lora_config = ModelHost._lora_config
+    peft_adapter_config = ModelHost.peft_adapter_config
+
+    def __init__(self, cluster, name: str, source: str, dtype: torch.dtype, max_seq_len: int | None,
+                 options: TrainOptions) -> None:
+        from ..training import linear_groups
+
+        config = cluster.config
+        self.cluster = cluster
+        self.name = name
+        self.options = options
+        self.device = config.device
+        self.dtype = dtype
+        self.model, self.tokenizer, self.source_dir = _meta_model(source)
+        self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
+        self._linear_groups = linear_groups(self.model)
+        ctx = getattr(self.model.config, "max_position_embeddings", None)
+        self.max_seq_len = min(x for x in (max_seq_len, ctx) if x) if (max_seq_len or ctx) else None
+        self.peft = None
+        self.adapters = _RunTable(self)
+        self.store = CheckpointStore(cluster.storage)
+        self.prefix = f"{name}-{uuid.uuid4().hex[:8]}"  # the actors' names: PREFIX/sampler-i, PREFIX/trainer-gG-rR
+        self._host_args = (name, self.source_dir, config.device, str(dtype).removeprefix("torch."), max_seq_len,
+                           options, max(1, int(config.cpus_per_replica)))
+        self._published: collections.OrderedDict[str, object] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        logger.info("starting %d sampler replica(s) and %d trainer group(s) x %d rank(s) of %s on the cluster "
+                    "(actors %s/...)", config.sampler_replicas, config.trainer_groups, config.train_replicas, name,
+                    self.prefix)
+        self.pool = SamplerPool(self.prefix, config, self._host_args)
+        self.groups = [TrainerGroup.start(i, self.prefix, config, self._host_args)
+                       for i in range(config.trainer_groups)]
+
+    def sampling_queue(self, loop) -> ReplicaQueue:
+        return ReplicaQueue(f"{self.name}:sampling", loop, len(self.pool.replicas))
+
+    # --- sampling -------------------------------------------------------------------------------------
+
+    def _publish(self, snapshot: Snapshot):
+        """The snapshot's object-store reference, put there once."""
+        import ray
+
+        with self._lock:
+            ref = self._published.get(snapshot.snapshot_id)
+            if ref is None:
+                ref = self._published[snapshot.snapshot_id] = ray.put(snapshot)
+                while len(self._published) > PUBLISHED_SNAPSHOTS:
+                    self._published.popitem(last=False)
+            else:
+                self._published.move_to_end(snapshot.snapshot_id)
+            return ref
+
+    def sample_batch(self, snapshot: Snapshot | None, specs: list, timings: dict) -> list:
+        holder = None if snapshot is None else [self._publish(snapshot)]  # in a list: the replica fetches it
+        cost = sum(s.num_samples * (len(s.prompt_tokens) + s.max_tokens) for s in specs)
+        results, replica_timings, index = self.pool.sample(None if snapshot is None else snapshot.snapshot_id,
+                                                           holder, specs, cost)
+        timings.update(replica_timings)
+        timings["replica"] = float(index)
+        return results
+
+    # --- runs -----------------------------------------------------------------------------------------
+
+    def _group_for_new_run(self) -> TrainerGroup:
+        for i, group in enumerate(self.groups):
+            if group.dead:
+                logger.warning("replacing lost trainer group %d", i)
+                self.groups[i] = TrainerGroup.start(i, f"{self.prefix}-{uuid.uuid4().hex[:4]}", self.cluster.config,
+                                                    self._host_args)
+        return min(self.groups, key=lambda g: (len(g.runs), g.index))
+
+    def _lost(self, adapter: RemoteAdapter) -> WorkerError:
+        states = [(self.store.folder(ref).joinpath("meta.json").stat().st_mtime, ref.path)
+                  for ref, _, _ in self.store.list(adapter.adapter_id) if ref.kind == "state"]
+        resume = (f"resume from its last saved state {max(states)[1]} (create a training client from that state)"
+                  if states else "it has no saved state (save_state) to resume from; start a new run")
+        return WorkerError(503, "training_run_lost",
+                           f"training run {adapter.adapter_id} was lost: a process of its trainer group died "
+                           f"({adapter.group.dead}); its unsaved progress is gone; {resume}")
+
+    def _on_group(self, adapter: RemoteAdapter, call):
+        try:
+            return call(adapter.group)
+        except GroupLost:
+            raise self._lost(adapter) from None
+
+    def create_adapter(self, adapter_id: str, spec) -> RemoteAdapter:
+        group = self._group_for_new_run()
+        seed = spec.seed if spec.seed is not None else secrets.randbits(31)
+        try:
+            group.call_all("create", adapter_id, spec.model_copy(update={"seed": seed}).model_dump())
+        except GroupLost as exc:
+            raise WorkerError(503, "trainer_lost", f"the trainer group for the new run died ({exc}); retry") from None
+        adapter = RemoteAdapter(adapter_id, spec, seed, group)
+        group.runs.add(adapter_id)
+        dict.__setitem__(self.adapters, adapter_id, adapter)
+        return adapter
+
+    def delete_adapter(self, adapter_id: str) -> None:
+        adapter = dict.pop(self.adapters, adapter_id, None)
+        if adapter is None:
+            return
+        adapter.group.runs.discard(adapter_id)
+        if not adapter.group.dead:
+            try:
+                adapter.group.call_all("delete", adapter_id)
+            except GroupLost:
+                pass
+
+    def forward_backward(self, adapter: RemoteAdapter, data: list, loss_fn: str, config: dict,
+                         backward: bool) -> dict:
+        def run(group: TrainerGroup) -> dict:
+            shards = data_parallel.split_by_tokens([len(d["tokens"]) for d in data], len(group.ranks))
+            args = [(adapter.adapter_id, data_parallel.shard_data(data, s), loss_fn, config, backward) for s in shards]
+            results = group.call_each("forward_backward", args)
+            refused = [(i, r) for i, r in enumerate(results) if not isinstance(r, dict)]
+            if refused:
+                if backward:  # the ranks that accepted their shard take its gradient back
+                    group.call_all("undo_backward", adapter.adapter_id)
+                index, refusal = refused[0]
+                raise data_parallel.global_error(refusal.error(), shards[index])
+            return data_parallel.merge_results(shards, results, len(data))
+
+        return self._on_group(adapter, run)
+
+    def optim_step(self, adapter: RemoteAdapter, adam) -> dict:
+        values = self._on_group(adapter, lambda g: g.call_all("optim_step", adapter.adapter_id, adam.model_dump()))
+        raise_refusals(values)
+        adapter.optim_steps = int(values[0]["step"])
+        return values[0]
+
+    def adapter_weights(self, adapter: RemoteAdapter) -> dict[str, torch.Tensor]:
+        return self._on_group(adapter, lambda g: g.call_first("adapter_weights", adapter.adapter_id))
+
+    def optimizer_state(self, adapter: RemoteAdapter) -> dict[str, torch.Tensor]:
+        return self._on_group(adapter, lambda g: g.call_first("optimizer_state", adapter.adapter_id))
+
+    def load_adapter_weights(self, adapter: RemoteAdapter, tensors: dict[str, torch.Tensor]) -> None:
+        import ray
+
+        ref = ray.put(tensors)  # once, read by every rank
+        raise_refusals(self._on_group(adapter, lambda g: g.call_all("load_adapter_weights", adapter.adapter_id, ref)))
+
+    def load_optimizer_state(self, adapter: RemoteAdapter, state: dict[str, torch.Tensor] | None) -> None:
+        import ray
+
+        ref = None if state is None else ray.put(state)
+        values = self._on_group(adapter, lambda g: g.call_all("load_optimizer_state", adapter.adapter_id, ref))
+        raise_refusals(values)
+        adapter.optim_steps = int(values[0])
+
+    def snapshot(self, adapter: RemoteAdapter) -> Snapshot:
+        snap = self._on_group(adapter, lambda g: g.call_first("snapshot", adapter.adapter_id))
+        self._publish(snap)  # save_weights_for_sampler publishes it once; replicas fetch it on first use
+        return snap
+
+    def close(self) -> None:
+        self.pool.kill()
+        for group in self.groups:
+            group.kill("the worker stopped", quiet=True)

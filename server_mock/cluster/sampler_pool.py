@@ -1,0 +1,80 @@
+"""Sampler replicas and how a batch is sent to one: the least loaded live replica, retried elsewhere if it dies.
+
+Replicas are restarted by Ray when they die (their ``__init__`` loads the model again). A batch whose
+replica died is not retried by Ray (``max_task_retries=0``); the pool sends it again to another replica.
+A failed call returns nothing, so each result comes from exactly one complete run of the batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from ..errors import WorkerError
+from .actors import SamplerReplica
+from .config import NAMESPACE
+
+logger = logging.getLogger("server_mock")
+
+RETRY_FOR = 600.0  # seconds a batch keeps looking for a live replica (one restarting reloads the model)
+
+
+class SamplerPool:
+    def __init__(self, prefix: str, config, host_args: tuple, start_timeout: float = 900.0) -> None:
+        import ray
+
+        actor = ray.remote(SamplerReplica)
+        self.replicas = [actor.options(name=f"{prefix}/sampler-{i}", namespace=NAMESPACE,
+                                       num_cpus=config.cpus_per_replica, num_gpus=config.gpus_per_replica,
+                                       max_restarts=-1, max_task_retries=0, scheduling_strategy="SPREAD")
+                         .remote(i, *host_args, config.snapshots_per_replica)
+                         for i in range(config.sampler_replicas)]
+        self.load = [0] * len(self.replicas)  # tokens in flight on each replica
+        self.failed_at = [0.0] * len(self.replicas)
+        self.retries = 0
+        self._lock = threading.Lock()
+        try:
+            ray.get([r.ping.remote() for r in self.replicas], timeout=start_timeout)
+        except ray.exceptions.GetTimeoutError:
+            raise WorkerError(503, "cluster_full", f"sampler replicas did not start within {start_timeout:g}s "
+                                                   "(the cluster may not have room for them)") from None
+
+    def _pick(self, cost: int) -> int:
+        now = time.monotonic()
+        with self._lock:
+            # a replica that failed in the last few seconds is likely restarting: others first
+            index = min(range(len(self.replicas)), key=lambda i: (now - self.failed_at[i] < 5.0, self.load[i], i))
+            self.load[index] += cost
+            return index
+
+    def sample(self, snapshot_id: str | None, holder: list | None, specs: list, cost: int) -> tuple[list, dict, int]:
+        import ray
+
+        deadline = time.monotonic() + RETRY_FOR
+        while True:
+            index = self._pick(cost)
+            try:
+                return ray.get(self.replicas[index].sample.remote(snapshot_id, holder, specs))
+            except ray.exceptions.RayActorError as exc:
+                with self._lock:
+                    self.failed_at[index] = time.monotonic()
+                    self.retries += 1
+                logger.warning("sampler replica %d failed (%s); sending its batch to another replica", index,
+                               type(exc).__name__)
+                if time.monotonic() > deadline:
+                    raise WorkerError(503, "sampler_unavailable",
+                                      f"no sampler replica answered within {RETRY_FOR:g}s; retry later") from None
+                time.sleep(0.2)
+            finally:
+                with self._lock:
+                    self.load[index] -= cost
+
+    def kill(self) -> None:
+        import ray
+
+        for replica in self.replicas:
+            try:
+                ray.kill(replica, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
