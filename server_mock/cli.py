@@ -78,6 +78,20 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--prefix-share-min-tokens", type=int, default=32, metavar="N",
                        help="in one forward/backward call, datums sharing at least N leading tokens (a GRPO group's "
                             "prompt) run them once; the results are unchanged. 0 disables (default 32)")
+    ray = serve.add_argument_group("Ray cluster (pip install -e .[worker,cluster]; docs/scaling.md)")
+    ray.add_argument("--ray", metavar="auto|ADDRESS",
+                     help="run the models on a Ray cluster: auto joins a running one or starts a local one, HOST:PORT "
+                          "joins that head node. Without it everything runs in this process")
+    ray.add_argument("--sampler-replicas", type=int, default=1, metavar="N",
+                     help="actors that each hold the base model and sample (default 1)")
+    ray.add_argument("--train-replicas", type=int, default=1, metavar="M",
+                     help="data-parallel ranks that train each run together, its batch split by tokens (default 1)")
+    ray.add_argument("--trainer-groups", type=int, default=1, metavar="K",
+                     help="trainer groups of M ranks; each run lives on the least loaded one (default 1)")
+    ray.add_argument("--gpus-per-replica", type=float, default=0.0, metavar="G",
+                     help="GPUs for each sampler replica and train rank (0: they run on CPU)")
+    ray.add_argument("--cpus-per-replica", type=float, default=1.0, metavar="C",
+                     help="CPUs for each sampler replica and train rank (also its torch threads)")
     serve.add_argument("--log-level", default="INFO")
     tiny = sub.add_parser("make-tiny-model", help="write a random tiny causal LM + tokenizer for smoke tests")
     tiny.add_argument("directory")
@@ -117,7 +131,12 @@ def serve(args: argparse.Namespace) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = resolve_device(args.device)
+    if not args.ray and (args.sampler_replicas, args.train_replicas, args.trainer_groups, args.gpus_per_replica,
+                         args.cpus_per_replica) != (1, 1, 1, 0.0, 1.0):
+        sys.exit("--sampler-replicas, --train-replicas, --trainer-groups, --gpus-per-replica and --cpus-per-replica "
+                 "need --ray auto|ADDRESS")
+    cluster = _join_cluster(args) if args.ray else None
+    device = cluster.config.device if cluster is not None else resolve_device(args.device)
     limits = Limits(max_body_bytes=args.max_body_bytes, max_seq_len=args.max_seq_len,
                     max_tokens_per_request=args.max_tokens_per_request, max_sample_tokens=args.max_sample_tokens,
                     max_num_samples=args.max_num_samples, max_training_runs=args.max_training_runs,
@@ -139,7 +158,8 @@ def serve(args: argparse.Namespace) -> None:
                                                        autocast_bf16=args.autocast == "bf16",
                                                        activation_checkpointing=args.activation_checkpointing,
                                                        float32_head=args.float32_head,
-                                                       prefix_share_min_tokens=args.prefix_share_min_tokens))
+                                                       prefix_share_min_tokens=args.prefix_share_min_tokens),
+                            cluster=cluster)
     if service.fault_injection:
         logging.getLogger("server_mock").warning("fault injection is ON (PYTRIO_WORKER_FAULT_INJECTION): requests "
                                                  "may ask to fail on purpose; never use this in production")
@@ -161,6 +181,22 @@ def serve(args: argparse.Namespace) -> None:
                                           ", ".join(n for n, _ in args.model) or "models on demand", args.host, port,
                                           args.storage, device)
     server.run(sockets=[sock])
+
+
+def _join_cluster(args: argparse.Namespace):
+    """The Ray cluster the models run on; exits naming the problem when it is unreachable or too small."""
+    try:
+        from .cluster import ClusterConfig, ClusterError, connect
+    except ImportError as exc:
+        sys.exit(f"--ray needs Ray: pip install -e '.[worker,cluster]' ({exc})")
+    config = ClusterConfig(address=args.ray, sampler_replicas=args.sampler_replicas,
+                           train_replicas=args.train_replicas, trainer_groups=args.trainer_groups,
+                           gpus_per_replica=args.gpus_per_replica, cpus_per_replica=args.cpus_per_replica,
+                           snapshots_per_replica=args.max_snapshots)
+    try:
+        return connect(config, args.storage, models=max(1, len(args.model)))
+    except ClusterError as exc:
+        sys.exit(f"--ray {args.ray}: {exc}")
 
 
 def main(argv: list[str] | None = None) -> None:

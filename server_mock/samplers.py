@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import time
 from dataclasses import dataclass
 
 from pytrio_compat.wire import Accepted, CreateSampler, LoraSpec, SampleRequest, SamplerInfo
@@ -18,7 +17,7 @@ from . import local_adapters
 from .engine import run_id
 from .errors import WorkerError, bad_request, not_found
 from .quotas import check_queued
-from .sampling import SampleSpec, generate_batch
+from .sampling import SampleSpec
 from .storage import parse_path
 from .training import ModelHost, Snapshot
 from .validation import validate_sample
@@ -140,19 +139,16 @@ class SamplersMixin:
         job.payload = (spec, return_text)
         job.batch_fn = lambda payloads: self._sample_batch(host, load(), payloads)
         job.batch_cost = spec.num_samples * (len(spec.prompt_tokens) + spec.max_tokens)
-        self.queues[sampler.base_model].put(job)
+        # a Ray-backed model has its own sampling queue, drained by one thread per sampler replica
+        (self.queues.get(f"{sampler.base_model}:sampling") or self.queues[sampler.base_model]).put(job)
         return Accepted(request_id=job.request_id)
 
     @staticmethod
     def _sample_batch(host: ModelHost, snapshot: Snapshot | None,
                       payloads: list[tuple[SampleSpec, bool]]) -> list[dict]:
         """Run one or more sample requests for the same weights as one decoding batch."""
-        started = time.perf_counter()
-        model = host.sampling_model(snapshot)
-        loaded = time.perf_counter()
         timings: dict[str, float] = {}
-        results = generate_batch(model, [spec for spec, _ in payloads], host.tokenizer, timings,
-                                 host.sampling_support)
+        results = host.sample_batch(snapshot, [spec for spec, _ in payloads], timings)
         out = []
         for (spec, return_text), result in zip(payloads, results):
             sequences = [
@@ -166,7 +162,9 @@ class SamplersMixin:
                 "topk_prompt_logprobs": result.topk_prompt_logprobs or [],
                 "input_tokens": len(spec.prompt_tokens),
                 "output_tokens": sum(len(s.tokens) for s in result.sequences),
-                "metrics": {"batch_requests": float(len(payloads)), "time/load_weights": loaded - started,
-                            "time/prefill": timings.get("prefill", 0.0), "time/decode": timings.get("decode", 0.0)},
+                "metrics": {"batch_requests": float(len(payloads)),
+                            "time/load_weights": timings.get("load_weights", 0.0),
+                            "time/prefill": timings.get("prefill", 0.0), "time/decode": timings.get("decode", 0.0),
+                            **({"sampler_replica": timings["replica"]} if "replica" in timings else {})},
             })
         return out

@@ -42,8 +42,9 @@ class WorkerService(RunsMixin, SamplersMixin, CheckpointsMixin):
     def __init__(self, models: dict[str, str], storage: str | Path, device: str, dtype: torch.dtype,
                  lazy_models: bool = False, limits: Limits | None = None, result_ttl: float = 3600.0,
                  allow_adapter_dirs: list[str] | None = None, fault_injection: bool | None = None,
-                 train_options: TrainOptions | None = None) -> None:
+                 train_options: TrainOptions | None = None, cluster=None) -> None:
         self.train_options = train_options or TrainOptions()
+        self.cluster = cluster  # a server_mock.cluster.Cluster: models live on Ray actors (None: in this process)
         self.model_sources = dict(models)
         # local PEFT adapter folders may be sampled from only inside these (real paths, symlinks resolved)
         self.allow_adapter_dirs = [os.path.realpath(d) for d in (allow_adapter_dirs or [])]
@@ -87,7 +88,8 @@ class WorkerService(RunsMixin, SamplersMixin, CheckpointsMixin):
             if name not in self.hosts:
                 logger.info("loading model %s from %s", name, source)
                 try:
-                    host = await asyncio.to_thread(ModelHost, name, source, self.device, self.dtype,
+                    make_host = self.cluster.model_host if self.cluster is not None else ModelHost
+                    host = await asyncio.to_thread(make_host, name, source, self.device, self.dtype,
                                                    self.limits.max_seq_len, self.train_options)
                 except WorkerError:  # e.g. model_not_supported: already says what is missing
                     raise
@@ -95,6 +97,8 @@ class WorkerService(RunsMixin, SamplersMixin, CheckpointsMixin):
                     raise WorkerError(404 if self.lazy_models else 500, "model_load_failed",
                                       f"{field_name}: could not load model {name!r}: {exc}", field_name) from exc
                 self.queues[name] = ModelQueue(name, asyncio.get_running_loop())
+                if self.cluster is not None:  # samples go to the replicas from their own queue, beside training
+                    self.queues[f"{name}:sampling"] = host.sampling_queue(asyncio.get_running_loop())
                 self.hosts[name] = host
         return self.hosts[name]
 
@@ -136,6 +140,8 @@ class WorkerService(RunsMixin, SamplersMixin, CheckpointsMixin):
     def stop(self) -> None:
         for queue in self.queues.values():
             queue.stop()
+        if self.cluster is not None:
+            self.cluster.close()
 
 
 def _tokenizer_files(host: ModelHost) -> dict[str, str]:

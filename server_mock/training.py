@@ -11,6 +11,7 @@ import json
 import math
 import logging
 import secrets
+import time
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -364,6 +365,16 @@ class ModelHost:
         return json.dumps(data, indent=1, default=lambda o: sorted(o) if isinstance(o, set) else str(o))
 
     # --- sampling ---------------------------------------------------------------------------------------
+
+    def sample_batch(self, snapshot: Snapshot | None, specs: list, timings: dict[str, float]) -> list:
+        """Generate for every spec as one batch with the snapshot's weights (None: the base model); the time to
+        load the weights goes in ``timings["load_weights"]``, prefill and decode times beside it."""
+        from .sampling import generate_batch
+
+        started = time.perf_counter()
+        model = self.sampling_model(snapshot)
+        timings["load_weights"] = time.perf_counter() - started
+        return generate_batch(model, specs, self.tokenizer, timings, self.sampling_support)
 
     def sampling_model(self, snapshot: Snapshot | None) -> nn.Module:
         """The model to generate with: the base model, or a sampler slot holding the snapshot's weights.
