@@ -9,7 +9,7 @@ request never stalls the requests behind it.
 
 Bounds: a request may be at most ``max_ahead`` seq_ids ahead of the next expected one (400 otherwise),
 at most ``max_waiting`` requests of a model wait at once, and the bytes held by waiting requests are
-counted per session and on the whole worker by ``HeldBytes`` (429 past either limit). A gap that is
+counted per session and on the whole worker by ``tinker_holding.HeldBytes`` (429 past either limit). A gap that is
 never filled is skipped after ``gap_wait`` seconds in O(1): the skipped range is remembered as one
 interval, not seq_id by seq_id.
 """
@@ -25,50 +25,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import WorkerError
+from .tinker_holding import HeldBytes, Slim
 
 logger = logging.getLogger("server_mock")
-
-
-class HeldBytes:
-    """Bytes kept by requests waiting for an earlier seq_id: per session and on the whole worker."""
-
-    def __init__(self, per_session: int, per_worker: int) -> None:
-        self.per_session = per_session
-        self.per_worker = per_worker
-        self.total = 0
-        self.by_session: dict[str, int] = {}
-
-    def reserve(self, session: str, size: int) -> None:
-        held = self.by_session.get(session, 0)
-        if held + size > self.per_session:
-            raise WorkerError(429, "too_many_waiting_bytes",
-                              f"seq_id: requests of this session waiting for an earlier seq_id hold {held} bytes; "
-                              f"this one ({size} bytes) would pass the limit max_waiting_bytes_per_session="
-                              f"{self.per_session}; send the earlier seq_ids first, or retry shortly", "seq_id")
-        if self.total + size > self.per_worker:
-            raise WorkerError(429, "too_many_waiting_bytes",
-                              f"seq_id: requests waiting for an earlier seq_id hold {self.total} bytes on this "
-                              f"worker; this one ({size} bytes) would pass the limit max_waiting_bytes_per_worker="
-                              f"{self.per_worker}; retry shortly", "seq_id")
-        self.by_session[session] = held + size
-        self.total += size
-
-    def release(self, session: str, size: int) -> None:
-        left = self.by_session.get(session, 0) - size
-        if left > 0:
-            self.by_session[session] = left
-        else:
-            self.by_session.pop(session, None)
-        self.total = max(0, self.total - size)
-
-
-@dataclass
-class Slim:
-    """A smaller form for a request to keep while it waits: ``size`` bytes, and ``prepare()`` (run in a
-    thread when the request's turn comes) gives back its ``submit`` callable."""
-
-    size: int
-    prepare: Callable[[], Callable[[], Awaitable[Any]]]
 
 
 @dataclass

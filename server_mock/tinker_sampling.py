@@ -14,7 +14,7 @@ from starlette.requests import Request
 
 from pytrio_compat.wire import CreateSampler, SampleRequest, WireSamplingParams
 
-from . import tinker_proto as proto
+from . import tinker_proto_results as results
 from .errors import WorkerError, bad_request
 from .tinker_futures import job_result, raise_
 from .tinker_http import field, read_json, read_json_sized
@@ -120,7 +120,7 @@ def _last_n(values: list, last_n: int | None) -> list:
 def encode_sample_result(result: dict, wire: SampleRequest, last_n: int | None, topk: int) -> bytes:
     prompt_lps = _last_n(list(result.get("prompt_logprobs") or []), last_n) if wire.include_prompt_logprobs else None
     tops = _last_n(list(result.get("topk_prompt_logprobs") or []), last_n) if topk else None
-    return proto.encode_sample_response(result["sequences"], prompt_lps, tops, topk)
+    return results.encode_sample_response(result["sequences"], prompt_lps, tops, topk)
 
 
 async def _sampler_for(state: TinkerState, body: dict, tenant: str) -> tuple[str, bool]:

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 
 from .errors import WorkerError
 from .tinker_futures import Futures
-from .tinker_gate import HeldBytes, SeqGate
+from .tinker_gate import SeqGate
+from .tinker_holding import HeldBytes
 from .tinker_proto import ElementBudget
 
 logger = logging.getLogger("server_mock")

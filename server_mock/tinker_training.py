@@ -21,9 +21,10 @@ from pytrio_compat.types.tensor import WireTensor
 from pytrio_compat.wire import ForwardOp, OptimStepOp, TrainingOp, WireDatum
 
 from . import tinker_proto as proto
+from . import tinker_proto_results as results
 from .errors import WorkerError, bad_request
 from .tinker_futures import job_result, raise_
-from .tinker_gate import Slim
+from .tinker_holding import Slim
 from .tinker_http import digest, field, read_body, read_json_sized
 from .tinker_paths import tinker_metrics
 from .tinker_state import TinkerModel, TinkerState
@@ -113,7 +114,7 @@ def decode_forward(raw: bytes, budget: proto.ElementBudget) -> DecodedForward:
 def encode_forward_result(result: dict) -> bytes:
     outputs = [{k: WireTensor.model_validate(v).to_array() for k, v in o.items()}
                for o in result.get("loss_fn_outputs", [])]
-    return proto.encode_forward_backward_output(outputs, tinker_metrics(result.get("metrics", {})))
+    return results.encode_forward_backward_output(outputs, tinker_metrics(result.get("metrics", {})))
 
 
 async def forward_result(result: dict) -> bytes:

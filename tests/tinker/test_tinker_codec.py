@@ -15,7 +15,7 @@ from tinker.proto.response_conv import (
     deserialize_sample_response,
 )
 
-from server_mock import tinker_proto
+from server_mock import tinker_proto, tinker_proto_results
 from server_mock.errors import WorkerError
 from server_mock.tinker_api import tinker_message, tinker_metrics, to_tinker_path, to_trio_path
 from server_mock.tinker_gate import SeqGate
@@ -78,7 +78,7 @@ def test_forward_backward_output_decodes_in_the_official_client():
     outputs = [{"logprobs": np.float32([-1.0, -2.0, -3.0]), "elementwise_loss": np.float32([0.5, 0.0, 1.0])},
                {"logprobs": np.float32([-0.5]), "elementwise_loss": np.float32([2.0])},
                {"logprobs": np.zeros(0, np.float32), "elementwise_loss": np.zeros(0, np.float32)}]
-    raw = tinker_proto.encode_forward_backward_output(outputs, {"loss:sum": 3.5, "token_count:sum": 4.0})
+    raw = tinker_proto_results.encode_forward_backward_output(outputs, {"loss:sum": 3.5, "token_count:sum": 4.0})
     out = deserialize_forward_backward_output(raw)
     assert out.loss_fn_output_type == "ArrayRecord"
     assert out.metrics == {"loss:sum": 3.5, "token_count:sum": 4.0}
@@ -93,7 +93,7 @@ def test_sample_response_decodes_in_the_official_client():
     sequences = [{"stop_reason": "stop", "tokens": [4, 5, 6], "logprobs": [-0.1, -0.2, -0.3]},
                  {"stop_reason": "length", "tokens": [7], "logprobs": [-1.5]}]
     tops = [None, [(3, -0.5), (9, -1.25)], [(11, -0.75)]]
-    raw = tinker_proto.encode_sample_response(sequences, [None, -2.0, -3.5], tops, 2)
+    raw = tinker_proto_results.encode_sample_response(sequences, [None, -2.0, -3.5], tops, 2)
     out = deserialize_sample_response(raw)
     assert [s.stop_reason for s in out.sequences] == ["stop", "length"]
     assert [s.tokens for s in out.sequences] == [[4, 5, 6], [7]]
@@ -215,7 +215,7 @@ def test_seq_gate_keeps_the_slim_form_while_waiting():
     turn comes, in order; a failed preparation fails only its own future."""
     import threading
 
-    from server_mock.tinker_gate import HeldBytes, Slim
+    from server_mock.tinker_holding import HeldBytes, Slim
 
     async def scenario():
         held = HeldBytes(per_session=100, per_worker=1000)
