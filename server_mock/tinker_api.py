@@ -8,7 +8,9 @@ a run started through one protocol shares the worker with the other. See docs/ti
 The routes live with their resource: tinker_sessions (sessions and training models),
 tinker_training (forward/backward, optimizer steps), tinker_weights (save, load, describe),
 tinker_sampling (sampling sessions, asample) and tinker_futures (retrieve_future). tinker_state holds
-what they share, tinker_gate the per-model seq_id ordering, tinker_http the HTTP plumbing.
+what they share, tinker_gate the per-model seq_id ordering (tinker_holding bounds what waiting requests
+keep), tinker_http the HTTP plumbing, tinker_paths the tinker:// names. The bounds are listed in
+docs/reliability.md ("Tinker protocol hardening").
 """
 
 from __future__ import annotations
