@@ -140,7 +140,10 @@ def test_loss_gradient_and_adam_step_match_local_reference(service, worker, tiny
     got = {n: p.detach() for n, p in served_after.named_parameters() if "lora_" in n}
     assert expected.keys() == got.keys()
     worst = max(float((expected[n] - got[n]).abs().max()) for n in expected)
-    assert worst < 1e-6, f"weights after one AdamW step differ by {worst}"
+    # Adam's first step moves each element by ~lr * g / (|g| + eps): for an element whose gradient is close to
+    # zero, a float32 rounding difference in g (the gradients agree to rel 1e-4 above) changes its step by a
+    # visible fraction of lr. 1% of one step (lr = 1e-3) bounds that; a wrong update moves weights by ~lr.
+    assert worst < 1e-2 * adam.learning_rate, f"weights after one AdamW step differ by {worst}"
 
 
 def test_token_count_and_ignore_index(service):
