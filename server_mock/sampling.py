@@ -19,8 +19,10 @@ import random
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
+
+from .logprobs import EvalMode, prompt_logprobs, teacher_forced_logprobs
+from .token_choice import next_tokens, row_seed, stop_string_hit
 
 __all__ = [
     "SampleResult",
@@ -32,9 +34,6 @@ __all__ = [
     "row_seed",
     "teacher_forced_logprobs",
 ]
-
-# Rows of (sequence length x vocab) float32 log-softmax computed at once for prompt logprobs.
-_PROMPT_LOGPROB_CHUNK = 256
 
 
 @dataclass
@@ -70,12 +69,6 @@ class SampleResult:
     topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
 
 
-def row_seed(seed: int, row: int) -> int:
-    """The generator seed of sample row ``row`` for request seed ``seed`` (a 63-bit int)."""
-    ss = np.random.SeedSequence([int(seed) & 0xFFFFFFFFFFFFFFFF, int(row)])
-    return int(ss.generate_state(1, dtype=np.uint64)[0]) & 0x7FFFFFFFFFFFFFFF
-
-
 def _model_device(model) -> torch.device:
     try:
         return next(model.parameters()).device
@@ -109,85 +102,6 @@ def _forward(model, input_ids: torch.Tensor, cache, logits_to_keep: int = 0, att
     if new_cache is None:  # pragma: no cover - older output classes
         new_cache = getattr(out, "past_key_values", None)
     return out.logits, new_cache
-
-
-class _EvalMode:
-    """Put every submodule in eval mode (no dropout, e.g. LoRA's); restore each one's mode afterwards."""
-
-    def __init__(self, model):
-        self.model = model
-        self.states: list[tuple[torch.nn.Module, bool]] = []
-
-    def __enter__(self):
-        self.states = [(m, m.training) for m in self.model.modules()]
-        self.model.eval()
-        return self
-
-    def __exit__(self, *exc):
-        for m, training in self.states:
-            m.training = training
-        return False
-
-
-def teacher_forced_logprobs(model, tokens: list[int]) -> list[float]:
-    """Logprob of ``tokens[i]`` given ``tokens[:i]`` for i >= 1 (length ``len(tokens) - 1``), float32."""
-    if len(tokens) < 2:
-        return []
-    device = _model_device(model)
-    ids = torch.tensor([tokens], dtype=torch.long, device=device)
-    with torch.no_grad(), _EvalMode(model):
-        logits = model(input_ids=ids, use_cache=False).logits[0, :-1]
-        lp = torch.log_softmax(logits.float(), dim=-1)
-        out = lp.gather(-1, ids[0, 1:, None])[:, 0]
-    return out.cpu().tolist()
-
-
-def _prompt_logprobs(
-    logits: torch.Tensor, prompt: torch.Tensor, want_lp: bool, topk: int
-) -> tuple[list[float | None] | None, list[list[tuple[int, float]] | None] | None]:
-    """Prompt logprobs from prefill logits ``(P, V)`` (row i predicts token i+1)."""
-    n = prompt.shape[0]
-    lps: list[float | None] | None = [None] if want_lp else None
-    tops: list[list[tuple[int, float]] | None] | None = [None] if topk > 0 else None
-    for start in range(0, n - 1, _PROMPT_LOGPROB_CHUNK):
-        end = min(start + _PROMPT_LOGPROB_CHUNK, n - 1)
-        lp = torch.log_softmax(logits[start:end].float(), dim=-1)
-        if lps is not None:
-            lps.extend(lp.gather(-1, prompt[start + 1 : end + 1, None])[:, 0].cpu().tolist())
-        if tops is not None:
-            vals, idx = lp.topk(min(topk, lp.shape[-1]), dim=-1)
-            for v_row, i_row in zip(vals.cpu().tolist(), idx.cpu().tolist()):
-                tops.append(list(zip(i_row, v_row)))
-    return lps, tops
-
-
-def _filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """Sampling probabilities from float32 logits ``(B, V)``: temperature, then top-k, then top-p."""
-    scaled = logits / temperature if temperature != 1.0 else logits
-    vocab = scaled.shape[-1]
-    if 0 < top_k < vocab:
-        kth = scaled.topk(top_k, dim=-1).values[:, -1:]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    probs = torch.softmax(scaled, dim=-1)
-    if top_p < 1.0:
-        sorted_p, sorted_idx = probs.sort(dim=-1, descending=True)
-        cum = sorted_p.cumsum(dim=-1)
-        # Keep a token when the mass strictly before it is < top_p: the smallest prefix reaching top_p; the
-        # first token is always kept.
-        remove_sorted = (cum - sorted_p) >= top_p
-        remove_sorted[:, 0] = False
-        remove = torch.zeros_like(remove_sorted).scatter(-1, sorted_idx, remove_sorted)
-        probs = probs.masked_fill(remove, 0.0)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-    return probs
-
-
-def _stop_string_hit(tokenizer, completion: list[int], stop_strings: list[str], window: int) -> bool:
-    """Whether the decoded tail of the completion contains a stop string (a new one ends there)."""
-    text = tokenizer.decode(
-        completion[-window:], skip_special_tokens=False, clean_up_tokenization_spaces=False
-    )
-    return any(s in text for s in stop_strings)
 
 
 def _check_spec(spec: SampleSpec, tokenizer) -> None:
@@ -244,26 +158,6 @@ def _left_padded(prompts: list[list[int]], device: torch.device):
     return ids, mask, positions
 
 
-def _next_tokens(specs: list[SampleSpec], rows: list[_Row], live: list[int], step_logits: torch.Tensor):
-    """Sample one token for each live row (``live`` indexes ``rows`` in ``step_logits`` row order)."""
-    lp_all = torch.log_softmax(step_logits, dim=-1)  # the unmodified model distribution
-    next_tok = torch.empty(len(live), dtype=torch.long, device=step_logits.device)
-    for i, spec in enumerate(specs):
-        block = [b for b, r in enumerate(live) if rows[r].request == i]
-        if not block:
-            continue
-        if spec.temperature == 0:
-            next_tok[block] = lp_all[block].argmax(dim=-1)
-            continue
-        top_k = spec.top_k if spec.top_k and spec.top_k > 0 else 0
-        plain = spec.temperature == 1.0 and top_k == 0 and spec.top_p >= 1.0
-        probs = lp_all[block].exp() if plain else _filtered_probs(step_logits[block], spec.temperature, top_k,
-                                                                 spec.top_p)
-        for j, b in enumerate(block):
-            next_tok[b] = torch.multinomial(probs[j], 1, generator=rows[live[b]].generator)[0]
-    return next_tok, lp_all.gather(-1, next_tok[:, None])[:, 0]
-
-
 def _record(specs, rows, live, next_tok, tok_lp, tokenizer) -> list[int]:
     """Append each live row's token; return the positions (in ``live``) of rows that go on generating."""
     keep = []
@@ -276,7 +170,7 @@ def _record(specs, rows, live, next_tok, tok_lp, tokenizer) -> list[int]:
         # a newly completed stop string lies in the last (its byte length) tokens, each token >= 1 byte; a few
         # extra tokens cover decoders that strip a leading space
         window = max((len(s.encode("utf-8")) for s in stops), default=0) + 4
-        if t in spec.stop_token_ids or (stops and _stop_string_hit(tokenizer, row.tokens, stops, window)):
+        if t in spec.stop_token_ids or (stops and stop_string_hit(tokenizer, row.tokens, stops, window)):
             row.reason = "stop"
         elif len(row.tokens) < spec.max_tokens:
             keep.append(b)
@@ -307,7 +201,7 @@ def generate_batch(model, specs: list[SampleSpec], tokenizer=None, timings: dict
         prefill_of_row = list(range(len(rows)))
         prefill_prompts = [specs[row.request].prompt_tokens for row in rows]
     started = time.perf_counter()
-    with torch.no_grad(), _EvalMode(model):
+    with torch.no_grad(), EvalMode(model):
         ids, mask, positions = _left_padded(prefill_prompts, device)
         want_prompt = any(s.include_prompt_logprobs or s.topk_prompt_logprobs > 0 for s in specs)
         logits, cache = _forward(model, ids, None, 0 if want_prompt else 1, mask, positions)
@@ -344,7 +238,7 @@ def _all_prompt_logprobs(specs, prefill_prompts, prefill_of_row, rows, logits, i
             continue
         b = next(prefill_of_row[r] for r, row in enumerate(rows) if row.request == i)
         offset = ids.shape[1] - len(prefill_prompts[b])
-        out.append(_prompt_logprobs(logits[b, offset:], ids[b, offset:], spec.include_prompt_logprobs,
+        out.append(prompt_logprobs(logits[b, offset:], ids[b, offset:], spec.include_prompt_logprobs,
                                     spec.topk_prompt_logprobs))
     return out
 
@@ -384,7 +278,7 @@ def _decode(model, specs, rows, state: _Batch, batch: list[int], live: list[int]
         pos = {r: b for b, r in enumerate(batch)}
         live_at = [pos[r] for r in live]
         logits = state.step_logits if len(live_at) == len(batch) else state.step_logits[live_at]
-        next_tok, tok_lp = _next_tokens(specs, rows, live, logits)
+        next_tok, tok_lp = next_tokens(specs, rows, live, logits)
         keep = _record(specs, rows, live, next_tok, tok_lp, tokenizer)
         if not keep:
             return
