@@ -33,6 +33,7 @@ class SamplerPool:
         self.load = [0] * len(self.replicas)  # tokens in flight on each replica
         self.failed_at = [0.0] * len(self.replicas)
         self.retries = 0
+        self._next = 0
         self._lock = threading.Lock()
         try:
             ray.get([r.ping.remote() for r in self.replicas], timeout=start_timeout)
@@ -44,7 +45,9 @@ class SamplerPool:
         now = time.monotonic()
         with self._lock:
             # a replica that failed in the last few seconds is likely restarting: others first
-            index = min(range(len(self.replicas)), key=lambda i: (now - self.failed_at[i] < 5.0, self.load[i], i))
+            n = len(self.replicas)
+            index = min(range(n), key=lambda i: (now - self.failed_at[i] < 5.0, self.load[i], (i - self._next) % n))
+            self._next = index + 1  # equal loads: take turns
             self.load[index] += cost
             return index
 
