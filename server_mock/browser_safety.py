@@ -5,9 +5,10 @@ cross-site POSTs (CSRF, which can only carry ``text/plain``, form or multipart b
 preflight) or, after DNS rebinding, as same-origin requests to ``http://attacker.example:PORT``. A worker
 without API keys would obey both. So:
 
-* JSON bodies must say ``Content-Type: application/json`` (``require_media_type``; the Tinker routes
-  call it with their own types), which a page cannot send cross-site without a CORS preflight, and
-  the worker answers no preflight;
+* every body must declare its type: ``Content-Type: application/json`` for JSON (native, Tinker and
+  OpenAI routes), ``application/x-protobuf`` for the Tinker ``forward_backward`` body
+  (``require_media_type``). A page cannot send either cross-site without a CORS preflight, and the
+  worker answers no preflight;
 * the ``Host`` header must name this worker: a loopback address or ``localhost``, the address it is
   bound to (any IP address when bound to all interfaces), or a name given with ``--allowed-host``.
   A rebound name is none of these;

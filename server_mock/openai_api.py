@@ -26,6 +26,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from . import openai_render as render
+from .browser_safety import JSON, require_media_type
 from .errors import WorkerError
 from .openai_generation import Generator
 from .openai_schemas import Generation, parse_chat, parse_completion
@@ -49,6 +50,8 @@ def error_response(exc: WorkerError) -> JSONResponse:
 
 
 async def read_json(request: Request, limit: int) -> Any:
+    """The JSON body, sent as ``application/json`` (as the openai client does: see browser_safety.py)."""
+    require_media_type(request, (JSON,), f"the body of {request.url.path.removeprefix(PREFIX)}")
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise WorkerError(413, "body_too_large", f"body: {declared} bytes exceeds limit max_body_bytes={limit}", "body")

@@ -24,7 +24,7 @@ from . import tinker_training as training
 from . import tinker_weights as weights
 from .errors import WorkerError
 from .tinker_futures import retrieve_future
-from .tinker_http import endpoint
+from .tinker_http import JSON, PROTOBUF, endpoint
 from .tinker_paths import tinker_message, tinker_metrics, to_tinker_path, to_trio_path
 from .tinker_state import TinkerState
 
@@ -39,8 +39,8 @@ async def unsupported(state: TinkerState, request: Request, tenant: str):
 def tinker_routes(service, auth) -> list[Route]:
     state = TinkerState(service)
 
-    def route(path: str, handler, methods=("POST",), public: bool = False) -> Route:
-        return Route("/api/v1" + path, endpoint(handler, state, auth, public), methods=list(methods))
+    def route(path: str, handler, methods=("POST",), public: bool = False, media=(JSON,)) -> Route:
+        return Route("/api/v1" + path, endpoint(handler, state, auth, public, media), methods=list(methods))
 
     return [
         route("/client/config", sessions.client_config),
@@ -53,7 +53,7 @@ def tinker_routes(service, auth) -> list[Route]:
         route("/healthz", sessions.healthz, methods=("GET",), public=True),
         route("/create_model", sessions.create_model),
         route("/get_info", sessions.get_info),
-        route("/forward_backward", training.forward_backward),
+        route("/forward_backward", training.forward_backward, media=(PROTOBUF,)),
         route("/optim_step", training.optim_step),
         route("/save_weights", weights.save_weights),
         route("/save_weights_for_sampler", weights.save_weights_for_sampler),

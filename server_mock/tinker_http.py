@@ -12,6 +12,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from .browser_safety import JSON, require_media_type
 from .errors import WorkerError, bad_request
 from .tinker_paths import tinker_message
 
@@ -54,13 +55,18 @@ def error_response(exc: WorkerError) -> JSONResponse:
                         status_code=status, headers=headers)
 
 
-def endpoint(handler: Callable[..., Awaitable[Any]], state, auth, public: bool = False):
-    """A Starlette endpoint: the caller's tenant, then ``handler(state, request, tenant)``; a dict
-    answer is sent as JSON, a WorkerError as its 4xx, anything unexpected as a logged 422."""
+def endpoint(handler: Callable[..., Awaitable[Any]], state, auth, public: bool = False,
+             media: tuple[str, ...] = (JSON,)):
+    """A Starlette endpoint: the caller's tenant, the body's media type (one of ``media``), then
+    ``handler(state, request, tenant)``; a dict answer is sent as JSON, a WorkerError as its 4xx,
+    anything unexpected as a logged 422."""
+    what = f"the body of {handler.__name__}"
 
     async def wrapped(request: Request) -> Response:
         try:
             tenant = "" if public else tenant_of(auth, request)
+            if carries_body(request):
+                require_media_type(request, media, what)
             result = await handler(state, request, tenant)
         except WorkerError as exc:
             return error_response(exc)
@@ -70,6 +76,17 @@ def endpoint(handler: Callable[..., Awaitable[Any]], state, auth, public: bool =
         return result if isinstance(result, Response) else JSONResponse(result)
 
     return wrapped
+
+
+def carries_body(request: Request) -> bool:
+    """Whether a request has (or announces) a body: one whose media type must then be checked. The
+    tinker client sends ``Content-Type: application/json`` even on its POSTs without a body."""
+    if request.method in ("GET", "HEAD", "OPTIONS"):
+        return False  # a body there means nothing to any route
+    headers = request.headers
+    if "content-type" in headers or "transfer-encoding" in headers:
+        return True
+    return headers.get("content-length", "0").strip() not in ("", "0")
 
 
 async def read_body(request: Request, limit: int) -> bytes:
