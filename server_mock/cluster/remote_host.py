@@ -151,9 +151,9 @@ class RemoteModelHost:
 
     def sample_batch(self, snapshot: Snapshot | None, specs: list, timings: dict) -> list:
         holder = None if snapshot is None else [self._publish(snapshot)]  # in a list: the replica fetches it
-        cost = sum(s.num_samples * (len(s.prompt_tokens) + s.max_tokens) for s in specs)
+        costs = [s.num_samples * (len(s.prompt_tokens) + s.max_tokens) for s in specs]
         results, replica_timings, index = self.pool.sample(None if snapshot is None else snapshot.snapshot_id,
-                                                           holder, specs, cost)
+                                                           holder, specs, costs)
         timings.update(replica_timings)
         timings["replica"] = float(index)
         return results

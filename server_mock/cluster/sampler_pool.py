@@ -1,4 +1,7 @@
-"""Sampler replicas and how a batch is sent to one: the least loaded live replica, retried elsewhere if it dies.
+"""Sampler replicas and how a batch is sent to them: the least loaded live replica, retried elsewhere if it dies.
+
+A batch of several requests (coalesced by the front-end queue) is split by tokens over the replicas that
+are idle, so that one burst of requests for the same weights uses every free replica.
 
 Replicas are restarted by Ray when they die (their ``__init__`` loads the model again). A batch whose
 replica died is not retried by Ray (``max_task_retries=0``); the pool sends it again to another replica.
@@ -10,8 +13,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from ..errors import WorkerError
+from .data_parallel import split_by_tokens
 from .actors import SamplerReplica
 from .config import NAMESPACE
 
@@ -34,6 +39,7 @@ class SamplerPool:
         self.failed_at = [0.0] * len(self.replicas)
         self.retries = 0
         self._next = 0
+        self._executor = ThreadPoolExecutor(max_workers=len(self.replicas), thread_name_prefix="sampler-pool")
         self._lock = threading.Lock()
         try:
             ray.get([r.ping.remote() for r in self.replicas], timeout=start_timeout)
@@ -51,7 +57,30 @@ class SamplerPool:
             self.load[index] += cost
             return index
 
-    def sample(self, snapshot_id: str | None, holder: list | None, specs: list, cost: int) -> tuple[list, dict, int]:
+    def sample(self, snapshot_id: str | None, holder: list | None, specs: list, costs: list[int]
+               ) -> tuple[list, dict, int]:
+        """Sample a coalesced batch; several requests are split over the idle replicas (sampling is seeded per
+        row, so where a request runs does not change its result)."""
+        now = time.monotonic()
+        with self._lock:
+            idle = sum(1 for i in range(len(self.replicas)) if self.load[i] == 0 and now - self.failed_at[i] >= 5.0)
+        shards = [s for s in split_by_tokens(costs, max(1, min(len(specs), idle))) if s]
+        if len(shards) == 1:
+            return self._sample_on_one(snapshot_id, holder, specs, sum(costs))
+        parts = list(self._executor.map(
+            lambda shard: self._sample_on_one(snapshot_id, holder, [specs[i] for i in shard],
+                                              sum(costs[i] for i in shard)), shards))
+        results: list = [None] * len(specs)
+        timings: dict[str, float] = {}
+        for shard, (shard_results, shard_timings, _) in zip(shards, parts):
+            for i, result in zip(shard, shard_results):
+                results[i] = result
+            for key, value in shard_timings.items():  # the replicas ran at the same time: the slowest counts
+                timings[key] = max(timings.get(key, 0.0), value)
+        return results, timings, parts[0][2]
+
+    def _sample_on_one(self, snapshot_id: str | None, holder: list | None, specs: list, cost: int
+                       ) -> tuple[list, dict, int]:
         import ray
 
         deadline = time.monotonic() + RETRY_FOR
@@ -76,6 +105,7 @@ class SamplerPool:
     def kill(self) -> None:
         import ray
 
+        self._executor.shutdown(wait=False)
         for replica in self.replicas:
             try:
                 ray.kill(replica, no_restart=True)
