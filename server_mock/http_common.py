@@ -23,6 +23,7 @@ from .errors import WorkerError
 
 logger = logging.getLogger("server_mock")
 MAX_POLL_SECONDS = 60.0
+BIG_BODY_BYTES = 1 << 20  # bodies above this are joined and parsed off the event loop
 Handler = Callable[..., Awaitable[Any]]
 
 
@@ -92,8 +93,12 @@ def endpoint(handler: Handler, body_model: type[BaseModel] | None = None, public
             kwargs: dict[str, Any] = {}
             if body_model is not None:
                 require_media_type(request)
-                kwargs["body"] = parse_body(body_model, await read_body(request, service_of(request).limits
-                                                                         .max_body_bytes))
+                raw = await read_body(request, service_of(request).limits.max_body_bytes)
+                # a large body is parsed (and its tensors' base64 text copied) in a worker thread
+                if len(raw) > BIG_BODY_BYTES:
+                    kwargs["body"] = await asyncio.to_thread(parse_body, body_model, raw)
+                else:
+                    kwargs["body"] = parse_body(body_model, raw)
             result = await handler(request, tenant, **kwargs)
         except WorkerError as exc:
             return error_response(exc, request_id)
@@ -134,7 +139,9 @@ async def read_body(request: Request, limit: int) -> bytes:
         if size > limit:
             raise WorkerError(413, "body_too_large", f"body: exceeds limit max_body_bytes={limit}", "body")
         chunks.append(chunk)
-    return b"".join(chunks)
+    if len(chunks) == 1:
+        return chunks[0]
+    return await asyncio.to_thread(b"".join, chunks) if size > BIG_BODY_BYTES else b"".join(chunks)
 
 
 def poll_seconds(request: Request) -> float:

@@ -10,7 +10,6 @@ import asyncio
 from dataclasses import dataclass, field
 
 from pytrio_compat.types import ModelOperationCapabilities
-from pytrio_compat.types.tensor import WireTensor
 from pytrio_compat.wire import (
     Accepted,
     CreateTrainingRun,
@@ -23,13 +22,13 @@ from pytrio_compat.wire import (
     TrainingRunInfo,
 )
 
-from . import faults, losses
 from .engine import run_id
 from .errors import WorkerError, bad_request, not_found
+from .op_preparation import PreparedOp, hash_and_prepare, op_digest, prepare_forward
 from .quotas import check_queued
 from .storage import check_name
 from .training import Adapter
-from .validation import check_adam, validate_data
+from .validation import check_adam
 
 
 @dataclass
@@ -41,6 +40,7 @@ class TrainingRun:
     adapter: Adapter
     last_seq: int = 0
     seqs: dict[int, tuple[str, str]] = field(default_factory=dict)  # seq_id -> (request_id, body hash)
+    admitting: asyncio.Lock = field(default_factory=asyncio.Lock)  # ops from the network, one at a time
 
 
 class RunsMixin:
@@ -140,63 +140,67 @@ class RunsMixin:
         await self.run_on_model(run.base_model, "delete_training_run", delete, tenant)
 
     def submit_op(self, training_run_id: str, op: TrainingOp, body_hash: str, tenant: str) -> Accepted:
-        """Accept one training op in seq_id order. A resent seq_id returns the original request."""
+        """Accept one training op in seq_id order. A resent seq_id returns the original request.
+        Prepares the op here: for small ops; forward ops go through ``submit_op_off_loop``."""
+        return self.submit_prepared(training_run_id, op.seq_id, op.payload, body_hash, tenant)
+
+    async def submit_op_off_loop(self, training_run_id: str, op: TrainingOp, tenant: str) -> Accepted:
+        """``submit_op`` for an op from the network: a forward op's digest and decoding run in a worker
+        thread. A run's ops are admitted one at a time in arrival order, so each sees the seq_ids of the
+        ones before it exactly as if it had been admitted at once."""
         run = self.get_run(training_run_id, tenant)
-        if op.seq_id <= run.last_seq:
-            request_id, seen_hash = run.seqs.get(op.seq_id, ("", ""))
+        async with run.admitting:
+            if isinstance(op.payload, ForwardOp):
+                body_hash, work = await asyncio.to_thread(
+                    hash_and_prepare, op.payload, self.hosts[run.base_model], run.adapter, self.limits,
+                    self.fault_injection)
+            else:
+                body_hash, work = op_digest(op.payload), op.payload
+            return self.submit_prepared(training_run_id, op.seq_id, work, body_hash, tenant)
+
+    def submit_prepared(self, training_run_id: str, seq_id: int, work, body_hash: str, tenant: str) -> Accepted:
+        """Accept an op given as its payload, as a ``PreparedOp`` or as the error preparing it gave. The
+        seq_id and queue checks come first: preparing (or its error) only counts for an op they let in."""
+        run = self.get_run(training_run_id, tenant)
+        if seq_id <= run.last_seq:
+            request_id, seen_hash = run.seqs.get(seq_id, ("", ""))
             if seen_hash != body_hash:
-                raise WorkerError(409, "seq_id_conflict", f"seq_id: {op.seq_id} was already used by a different "
+                raise WorkerError(409, "seq_id_conflict", f"seq_id: {seq_id} was already used by a different "
                                                           "request on this run", "seq_id")
             return Accepted(request_id=request_id, duplicate=True)
-        if op.seq_id != run.last_seq + 1:
+        if seq_id != run.last_seq + 1:
             raise WorkerError(409, "seq_id_out_of_order",
-                              f"seq_id: expected {run.last_seq + 1}, got {op.seq_id}", "seq_id")
+                              f"seq_id: expected {run.last_seq + 1}, got {seq_id}", "seq_id")
         check_queued(self.requests, tenant, self.limits.max_queued_requests)
-        fn, kind = self._prepare(run, op.payload)
-        job = self.requests.new_job(kind, fn, tenant)
-        run.last_seq = op.seq_id
-        run.seqs[op.seq_id] = (job.request_id, body_hash)
+        if isinstance(work, BaseException):
+            raise work
+        prepared = work if isinstance(work, PreparedOp) else self._prepare(run, work)
+        job = self.requests.new_job(prepared.kind, prepared.work, tenant)
+        run.last_seq = seq_id
+        run.seqs[seq_id] = (job.request_id, body_hash)
         if len(run.seqs) > 4096:
             run.seqs.pop(min(run.seqs))
         self.queues[run.base_model].put(job)
         return Accepted(request_id=job.request_id)
 
-    def _prepare(self, run: TrainingRun, payload):
+    def _prepare(self, run: TrainingRun, payload) -> PreparedOp:
         """The work for one op, validated now (a rejected op changes nothing), and its kind."""
         host = self.hosts[run.base_model]
         adapter = run.adapter
         if isinstance(payload, ForwardOp):
-            loss_fn = payload.loss_fn
-            backward = payload.op == "forward_backward"
-            loss_config, fault = faults.split_config(payload.loss_fn_config, self.fault_injection, backward)
-            try:
-                config = losses.resolve_loss_config(loss_fn, loss_config)
-            except losses.LossConfigError as exc:
-                raise bad_request(exc.field, str(exc), code="invalid_loss") from None
-            data = validate_data(payload, host, self.limits)
-
-            def run_forward() -> dict:
-                with faults.injected(fault, list(adapter.params.values())):
-                    out = host.forward_backward(adapter, data, loss_fn, config, backward)
-                return {
-                    "loss_fn_outputs": [{k: WireTensor.from_array(v).model_dump() for k, v in o.items()}
-                                        for o in out["outputs"]],
-                    "metrics": out["metrics"],
-                }
-
-            return run_forward, payload.op
+            return prepare_forward(payload, host, adapter, self.limits, self.fault_injection)
         if isinstance(payload, OptimStepOp):
             adam = check_adam(payload.adam_params)
-            return (lambda: {"metrics": host.optim_step(adapter, adam)}), "optim_step"
+            return PreparedOp("optim_step", lambda: {"metrics": host.optim_step(adapter, adam)})
         if isinstance(payload, SaveOp):
             check_name(payload.name)
             if payload.ttl_seconds is not None and payload.ttl_seconds <= 0:
                 raise bad_request("ttl_seconds", "must be positive or null")
-            return (lambda: self._save(run, host, payload)), payload.op
+            return PreparedOp(payload.op, lambda: self._save(run, host, payload))
         if isinstance(payload, LoadOp):
             ref = self._owned_ref(payload.path, run.tenant, "path")  # reads only the small metadata file
             if ref.kind != "state":
                 raise bad_request("path", "load_state needs a save_state checkpoint, not sampler weights")
             self._check_compatible(run, self.store.read_meta(ref))
-            return (lambda: self._load(run, host, ref, payload.load_optimizer)), "load_state"
+            return PreparedOp("load_state", lambda: self._load(run, host, ref, payload.load_optimizer))
         raise bad_request("payload.op", "unknown operation")

@@ -18,19 +18,17 @@ from starlette.requests import Request
 
 from pytrio_compat.types import AdamParams
 from pytrio_compat.types.tensor import WireTensor
-from pytrio_compat.wire import ForwardOp, OptimStepOp, TrainingOp, WireDatum
+from pytrio_compat.wire import ForwardOp, OptimStepOp, WireDatum
 
 from . import tinker_proto as proto
 from . import tinker_proto_results as results
 from .errors import WorkerError, bad_request
+from .op_preparation import DATUM_OVERHEAD_BYTES, PreparedOp, prepare_forward
 from .tinker_futures import job_result, raise_
 from .tinker_holding import Slim
 from .tinker_http import digest, field, read_body, read_json_sized
 from .tinker_paths import tinker_metrics
 from .tinker_state import TinkerModel, TinkerState
-
-DATUM_OVERHEAD_BYTES = 256  # counted per datum on top of its tensors while a request waits
-
 
 def submit_op(state: TinkerState, model: TinkerModel, tenant: str, payload, body_digest: str,
               convert: Callable[[dict], Any] | None) -> Awaitable[Any]:
@@ -41,8 +39,8 @@ def submit_op(state: TinkerState, model: TinkerModel, tenant: str, payload, body
     service = state.service
     try:
         run = service.get_run(model.run_id, tenant)
-        op = TrainingOp(seq_id=run.last_seq + 1, payload=payload() if callable(payload) else payload)
-        accepted = service.submit_op(model.run_id, op, body_digest, tenant)
+        work = payload() if callable(payload) else payload  # a payload, a PreparedOp, or why preparing failed
+        accepted = service.submit_prepared(model.run_id, run.last_seq + 1, work, body_digest, tenant)
         job = service.requests.get(accepted.request_id, tenant)
     except WorkerError as exc:
         if exc.status == 429:
@@ -86,7 +84,7 @@ class DecodedForward:
     digest: str
     op: ForwardOp | None = None
     error: proto.ProtoError | None = None
-    size: int = 0
+    size: int = 0  # of the op in the service's base64 form
 
 
 def decode_forward(raw: bytes, budget: proto.ElementBudget) -> DecodedForward:
@@ -111,6 +109,26 @@ def decode_forward(raw: bytes, budget: proto.ElementBudget) -> DecodedForward:
     return out
 
 
+def preparer(state: TinkerState, model: TinkerModel, tenant: str) -> Callable[[ForwardOp], PreparedOp | Exception]:
+    """On the event loop: a function, run in a thread, that checks one of this model's forward ops and
+    decodes its tensors for the service, or gives back the error (raised when the op's turn comes)."""
+    service = state.service
+    try:
+        run = service.get_run(model.run_id, tenant)
+        host = service.hosts[run.base_model]
+    except Exception as exc:  # noqa: BLE001 - the op's future carries it
+        error = exc
+        return lambda op: error
+
+    def prepare(op: ForwardOp) -> PreparedOp | Exception:
+        try:
+            return prepare_forward(op, host, run.adapter, service.limits, service.fault_injection)
+        except Exception as exc:  # noqa: BLE001
+            return exc
+
+    return prepare
+
+
 def encode_forward_result(result: dict) -> bytes:
     outputs = [{k: WireTensor.model_validate(v).to_array() for k, v in o.items()}
                for o in result.get("loss_fn_outputs", [])]
@@ -122,11 +140,7 @@ async def forward_result(result: dict) -> bytes:
 
 
 async def forward_backward(state: TinkerState, request: Request, tenant: str):
-    raw = await read_body(request, state.body_limit)
-    ctype = request.headers.get("content-type", "")
-    if "protobuf" not in ctype and raw[:1] == b"{":
-        raise WorkerError(415, "unsupported_media_type", "forward_backward takes a protobuf body "
-                                                         "(application/x-protobuf), as tinker >= 0.25 sends")
+    raw = await read_body(request, state.body_limit)  # its Content-Type was checked: application/x-protobuf
     budget = state.element_budget()
     try:
         decoded = await asyncio.to_thread(decode_forward, raw, budget)
@@ -135,11 +149,15 @@ async def forward_backward(state: TinkerState, request: Request, tenant: str):
     model = state.model(decoded.model_id, tenant)
     error = decoded.error
     if error is None:
-        # While it waits for an earlier seq_id, a request keeps its body (smaller than the decoded op)
+        prepare = preparer(state, model, tenant)
+        work = await asyncio.to_thread(prepare, decoded.op)  # checked and decoded for the service, off the loop
+        decoded.op = None
+        # one the service refuses still waits its turn as before, holding its body, and fails then
+        size = work.nbytes if isinstance(work, PreparedOp) else decoded.size
+        # While it waits for an earlier seq_id, a request keeps its body (smaller than the prepared op)
         # and is decoded again, in a thread, when its turn comes.
-        reload = (len(raw), lambda: _op_again(raw, state.element_budget()))
-        return gated(state, tenant, model, decoded.seq_id, decoded.digest, decoded.op, forward_result, decoded.size,
-                     reload)
+        reload = (len(raw), lambda: _op_again(raw, state.element_budget(), prepare))
+        return gated(state, tenant, model, decoded.seq_id, decoded.digest, work, forward_result, size, reload)
     # Refused: the seq_id is used up by a failed future, so the model's later requests are not held
     # back waiting for it, and the request itself is answered with the reason.
     code = "request_too_large" if error.status == 413 else "invalid_protobuf"
@@ -152,11 +170,11 @@ def _raise_now(exc: BaseException):
     raise exc
 
 
-def _op_again(raw: bytes, budget: proto.ElementBudget) -> ForwardOp:
+def _op_again(raw: bytes, budget: proto.ElementBudget, prepare: Callable[[ForwardOp], PreparedOp | Exception]):
     decoded = decode_forward(raw, budget)
     if decoded.error is not None:  # checked once already: only a changed limit could get here
         raise decoded.error
-    return decoded.op
+    return prepare(decoded.op)
 
 
 # --- optim_step ---------------------------------------------------------------------------------------

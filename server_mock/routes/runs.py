@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-
 from starlette.requests import Request
 from starlette.routing import Route
 
@@ -29,8 +27,8 @@ async def delete_run(request: Request, tenant: str):
 
 
 async def submit_op(request: Request, tenant: str, body: TrainingOp):
-    digest = hashlib.sha256(body.payload.model_dump_json().encode()).hexdigest()
-    return service_of(request).submit_op(request.path_params["run_id"], body, digest, tenant)
+    # a forward op's tensors are hashed and decoded in a worker thread, not on the event loop
+    return await service_of(request).submit_op_off_loop(request.path_params["run_id"], body, tenant)
 
 
 ROUTES = [
