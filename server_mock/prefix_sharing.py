@@ -31,7 +31,8 @@ from torch import nn
 
 logger = logging.getLogger("server_mock")
 
-__all__ = ["PrefixGroup", "SharedPrefix", "chunk_group", "find_groups", "probe", "supports_cache_layers"]
+__all__ = ["PrefixBatch", "PrefixGroup", "SharedPrefix", "batch_groups", "chunk_batch", "find_groups", "probe",
+           "supports_cache_layers"]
 
 Forward = Callable[..., torch.Tensor]  # model keyword inputs -> logits [B, T, V]
 
@@ -83,18 +84,47 @@ def find_groups(sequences: list[np.ndarray], min_tokens: int) -> list[PrefixGrou
     return sorted(groups, key=lambda g: g.members[0])
 
 
-def chunk_group(group: PrefixGroup, lengths: list[int], budget: int) -> list[list[int]]:
-    """Split a group's members into chunks whose padded remainders fit ``budget`` minus the prefix held."""
-    capacity = max(budget - group.prefix_len, 1)
-    members = sorted(group.members, key=lambda i: lengths[i])
-    chunks: list[list[int]] = []
-    current: list[int] = []
-    for index in members:
-        longest = lengths[index] - group.prefix_len  # sorted: the newcomer is the longest remainder
+@dataclass(frozen=True)
+class PrefixBatch:
+    """Groups whose prompts run together in one prefix pass, each cut to the same ``prefix_len``."""
+
+    prefix_len: int
+    groups: tuple[PrefixGroup, ...]
+
+    def rows(self) -> list[tuple[int, int]]:
+        """(datum index, prefix row) of every member."""
+        return [(i, row) for row, g in enumerate(self.groups) for i in g.members]
+
+
+def batch_groups(groups: list[PrefixGroup], budget: int, slack: float = 0.9) -> list[PrefixBatch]:
+    """Put groups with prefixes of similar length into one prefix pass of ``rows x prefix_len <= budget``.
+
+    A batch runs every prompt cut to its shortest member's prefix (still shared, so still exact); ``slack`` is the
+    shortest prefix a batch accepts relative to its longest (the tokens cut are recomputed by each datum).
+    Fewer, larger passes matter most on CPUs and GPUs alike: per-operation overheads do not shrink with the batch.
+    """
+    batches: list[list[PrefixGroup]] = []
+    for group in sorted(groups, key=lambda g: -g.prefix_len):
+        current = batches[-1] if batches else None
+        if current and group.prefix_len >= slack * current[0].prefix_len and \
+                (len(current) + 1) * group.prefix_len <= budget:
+            current.append(group)
+        else:
+            batches.append([group])
+    return [PrefixBatch(min(g.prefix_len for g in b), tuple(b)) for b in batches]
+
+
+def chunk_batch(batch: PrefixBatch, lengths: list[int], budget: int) -> list[list[tuple[int, int]]]:
+    """Split a batch's members into chunks whose padded remainders fit ``budget`` minus the prefixes held."""
+    capacity = max(budget - len(batch.groups) * batch.prefix_len, 1)
+    chunks: list[list[tuple[int, int]]] = []
+    current: list[tuple[int, int]] = []
+    for index, row in sorted(batch.rows(), key=lambda m: lengths[m[0]]):
+        longest = lengths[index] - batch.prefix_len  # sorted: the newcomer is the longest remainder
         if current and longest * (len(current) + 1) > capacity:
             chunks.append(current)
             current = []
-        current.append(index)
+        current.append((index, row))
     if current:
         chunks.append(current)
     return chunks
@@ -153,12 +183,20 @@ def _recording_cache(config):
     return cache
 
 
-def _replay_cache(config, states: list[dict], prefix_len: int, rows: int):
-    """A cache holding the prefix's states for ``rows`` rows; updates return ``prefix ++ new`` and store nothing."""
+def _select(tensor: torch.Tensor, which: torch.Tensor) -> torch.Tensor:
+    """Row ``which[i]`` of the prefix states for each remainder row (a view when there is one prefix)."""
+    if tensor.shape[0] == 1:
+        return tensor.expand(len(which), *tensor.shape[1:])
+    return tensor.index_select(0, which)
+
+
+def _replay_cache(config, states: list[dict], prefix_len: int, which: torch.Tensor):
+    """A cache holding, for each row, the states of prefix ``which[row]``; updates return ``prefix ++ new`` and
+    store nothing."""
     cache = _cache_classes().DynamicCache(config=config)
     for layer, saved in zip(cache.layers, states):
         if "kv" in saved:
-            keys, values = (t.expand(rows, *t.shape[1:]) for t in saved["kv"])
+            keys, values = (_select(t, which) for t in saved["kv"])
             layer.keys, layer.values, layer.is_initialized = keys, values, True
             layer.device = keys.device
             if isinstance(layer, _cache_classes().DynamicSlidingWindowLayer):
@@ -175,13 +213,13 @@ def _replay_cache(config, states: list[dict], prefix_len: int, rows: int):
                 kind, idx = key
                 if kind == "conv":
                     tensor, size = value
-                    layer.conv_states[idx] = tensor.expand(rows, *tensor.shape[1:])
+                    layer.conv_states[idx] = _select(tensor, which)
                     layer.conv_kernel_size[idx] = size
                     layer.is_conv_states_initialized[idx] = True
                     layer.has_previous_state[idx] = True
                     layer.device, layer.dtype = tensor.device, tensor.dtype
                 elif kind == "recurrent":
-                    layer.recurrent_states[idx] = value.expand(rows, *value.shape[1:])
+                    layer.recurrent_states[idx] = _select(value, which)
                     layer.is_recurrent_states_initialized[idx] = True
                     layer.has_previous_state[idx] = True
 
@@ -204,18 +242,19 @@ def _cache_kwarg(model: nn.Module) -> str:
 # --- one shared prefix -------------------------------------------------------------------------------------------
 
 class SharedPrefix:
-    """One prefix run once; ``remainder_logits`` runs rows after it; ``backward`` finishes the prefix's gradient."""
+    """Prefixes [P, L] run once together; ``remainder_logits`` runs rows after them; ``backward`` finishes the
+    prefixes' gradient."""
 
     def __init__(self, forward: Forward, config, cache_kwarg: str, prefix_ids: torch.Tensor):
         self._forward, self._config, self._cache_kwarg = forward, config, cache_kwarg
-        self.prefix_len = int(prefix_ids.shape[0])
+        self.prefix_len = int(prefix_ids.shape[1])
         self._roots: list[torch.Tensor] = []
         self._leaves: list[torch.Tensor] = []
         cache = _recording_cache(config)
-        positions = torch.arange(self.prefix_len, device=prefix_ids.device)[None]
-        logits = forward(input_ids=prefix_ids[None], attention_mask=torch.ones_like(prefix_ids)[None],
+        positions = torch.arange(self.prefix_len, device=prefix_ids.device).expand_as(prefix_ids)
+        logits = forward(input_ids=prefix_ids, attention_mask=torch.ones_like(prefix_ids),
                          position_ids=positions, use_cache=True, **{cache_kwarg: cache})
-        self.logits = self._leaf(logits)  # [1, L, V]
+        self.logits = self._leaf(logits)  # [P, L, V]
         self._states: list[dict] = []
         for layer in cache.layers:
             saved: dict = {}
@@ -240,10 +279,11 @@ class SharedPrefix:
         self._leaves.append(leaf)
         return leaf
 
-    def remainder_logits(self, ids: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
-        """Logits [rows, R, V] of right-padded remainders ``ids`` [rows, R] (``attention`` 1 on real tokens)."""
+    def remainder_logits(self, ids: torch.Tensor, attention: torch.Tensor, which: torch.Tensor) -> torch.Tensor:
+        """Logits [rows, R, V] of right-padded remainders ``ids`` [rows, R] (``attention`` 1 on real tokens), row i
+        following prefix ``which[i]``."""
         rows, length = ids.shape
-        cache = _replay_cache(self._config, self._states, self.prefix_len, rows)
+        cache = _replay_cache(self._config, self._states, self.prefix_len, which)
         mask = torch.cat([attention.new_ones((rows, self.prefix_len)), attention], dim=1)
         positions = (torch.arange(length, device=ids.device) + self.prefix_len).expand(rows, length)
         return self._forward(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
@@ -251,7 +291,9 @@ class SharedPrefix:
 
     def backward(self) -> None:
         """Carry the gradients accumulated on the prefix's states and logits through the prefix pass."""
-        pairs = [(root, leaf.grad) for root, leaf in zip(self._roots, self._leaves) if leaf.grad is not None]
+        # a zero gradient (prompt positions without weight, as in most RL datums) needs no backward pass
+        pairs = [(root, leaf.grad) for root, leaf in zip(self._roots, self._leaves)
+                 if leaf.grad is not None and bool(leaf.grad.any())]
         if pairs:
             torch.autograd.backward([r for r, _ in pairs], [g for _, g in pairs])
         self._roots, self._leaves, self._states = [], [], []
@@ -259,15 +301,17 @@ class SharedPrefix:
 
 # --- per-model probe ---------------------------------------------------------------------------------------------
 
-_PROBE_REMAINDERS = ((4, 2), (1,))  # two chunks: right padding, and a single one-token remainder
+# (prefix row, remainder length) per chunk: right padding, two prefixes in one chunk, a one-token remainder alone
+_PROBE_LAYOUTS = ((((0, 4), (0, 2)), ((0, 1),)), (((0, 4), (1, 2)), ((1, 1),)))
 
 
 def probe(model: nn.Module, forward: Forward, token_logprobs, vocab_size: int) -> str | None:
     """None if the shared path reproduces the unshared one on this model (logprobs and input gradients), else why.
 
-    Runs on a few random tokens (milliseconds). The prefix is longer than a small sliding window, so the window
-    edge is crossed. Parameters are frozen meanwhile; a zero offset added to the input embeddings carries the
-    gradient, which must flow through the cached states exactly as through the full sequences.
+    Runs on a few random tokens (milliseconds), with one prefix and with two prefixes in one pass. The prefix is
+    longer than a small sliding window, so the window edge is crossed. Parameters are frozen meanwhile; a zero
+    offset added to the input embeddings carries the gradient, which must flow through the cached states exactly
+    as through the full sequences.
     """
     config = model.config
     unsupported = supports_cache_layers(config)
@@ -280,32 +324,37 @@ def probe(model: nn.Module, forward: Forward, token_logprobs, vocab_size: int) -
     tol = 1e-4 if dtype == torch.float32 else 0.25
     gen = torch.Generator().manual_seed(0)
     low = min(3, vocab_size - 1)
-    prefix = torch.randint(low, vocab_size, (prefix_len,), generator=gen)
-    chunks = [[torch.randint(low, vocab_size, (n,), generator=gen) for n in lengths] for lengths in _PROBE_REMAINDERS]
+    prefixes = torch.randint(low, vocab_size, (2, prefix_len), generator=gen)
     flags = {p: p.requires_grad for p in model.parameters()}
     offset = torch.zeros(model.get_input_embeddings().embedding_dim, device=device, dtype=dtype, requires_grad=True)
     hook = model.get_input_embeddings().register_forward_hook(lambda mod, args, out: out + offset)
+    gaps = []
     try:
         for p in flags:
             p.requires_grad_(False)
-        shared_lp, shared_grad = _probe_shared(model, forward, token_logprobs, prefix, chunks, offset, device)
-        full_lp, full_grad = _probe_unshared(forward, token_logprobs, prefix, chunks, offset, device)
+        for layout in _PROBE_LAYOUTS:
+            chunks = [[(row, torch.randint(low, vocab_size, (n,), generator=gen)) for row, n in chunk]
+                      for chunk in layout]
+            used = prefixes[:1 + max(row for chunk in layout for row, _ in chunk)]
+            shared_lp, shared_grad = _probe_shared(model, forward, token_logprobs, used, chunks, offset, device)
+            full_lp, full_grad = _probe_unshared(forward, token_logprobs, used, chunks, offset, device)
+            gaps.append((float((shared_lp - full_lp).abs().max()),
+                         float((shared_grad - full_grad).abs().max() / full_grad.abs().max().clamp(min=1e-12))))
     except Exception as exc:  # noqa: BLE001 - any failure of the shared path means: do not take it
         return f"{type(exc).__name__}: {exc}"
     finally:
         hook.remove()
         for p, flag in flags.items():
             p.requires_grad_(flag)
-    lp_gap = float((shared_lp - full_lp).abs().max())
-    grad_gap = float((shared_grad - full_grad).abs().max() / full_grad.abs().max().clamp(min=1e-12))
+    lp_gap, grad_gap = max(g[0] for g in gaps), max(g[1] for g in gaps)
     if lp_gap > tol or grad_gap > tol * 10:
         return f"results differ from the unshared path (logprobs by {lp_gap:.2e}, gradients by {grad_gap:.2e})"
     return None
 
 
-def _probe_rows(prefix, chunk):
+def _probe_rows(prefixes, chunk):
     """Full sequences of a probe chunk and their targets (each sequence rolled by one: any fixed targets do)."""
-    seqs = [torch.cat([prefix, r]) for r in chunk]
+    seqs = [torch.cat([prefixes[row], r]) for row, r in chunk]
     return seqs, [torch.roll(s, -1) for s in seqs]
 
 
@@ -322,17 +371,18 @@ def _weighted_sum(rows: list[torch.Tensor]) -> torch.Tensor:
     return sum((row * torch.linspace(0.5, 1.5, len(row)).to(row)).sum() for row in rows)
 
 
-def _probe_shared(model, forward, token_logprobs, prefix, chunks, offset, device):
-    n = len(prefix)
-    shared = SharedPrefix(forward, model.config, _cache_kwarg(model), prefix.to(device))
+def _probe_shared(model, forward, token_logprobs, prefixes, chunks, offset, device):
+    n = prefixes.shape[1]
+    shared = SharedPrefix(forward, model.config, _cache_kwarg(model), prefixes.to(device))
     out = []
     for chunk in chunks:
-        seqs, targets = _probe_rows(prefix, chunk)
+        seqs, targets = _probe_rows(prefixes, chunk)
+        which = torch.tensor([row for row, _ in chunk], device=device)
         ids, attention = _padded([s[n:] for s in seqs], device)
         rest_targets, _ = _padded([t[n:] for t in targets], device)
         prefix_targets = torch.stack([t[:n] for t in targets]).to(device)
-        lp = torch.cat([token_logprobs(shared.logits, prefix_targets),
-                        token_logprobs(shared.remainder_logits(ids, attention), rest_targets)], dim=1)
+        lp = torch.cat([token_logprobs(shared.logits, prefix_targets, which),
+                        token_logprobs(shared.remainder_logits(ids, attention, which), rest_targets)], dim=1)
         rows = [lp[i, :len(s)] for i, s in enumerate(seqs)]
         _weighted_sum(rows).backward()
         out.extend(row.detach() for row in rows)
@@ -342,10 +392,10 @@ def _probe_shared(model, forward, token_logprobs, prefix, chunks, offset, device
     return torch.cat(out).float(), grad.float()
 
 
-def _probe_unshared(forward, token_logprobs, prefix, chunks, offset, device):
+def _probe_unshared(forward, token_logprobs, prefixes, chunks, offset, device):
     out = []
     for chunk in chunks:
-        seqs, targets = _probe_rows(prefix, chunk)
+        seqs, targets = _probe_rows(prefixes, chunk)
         ids, attention = _padded(seqs, device)
         target_ids, _ = _padded(targets, device)
         lp = token_logprobs(forward(input_ids=ids, attention_mask=attention, use_cache=False), target_ids)

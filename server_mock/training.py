@@ -186,12 +186,14 @@ class ModelHost:
         if self.prefix_sharing:
             groups = prefix_sharing.find_groups([d["tokens"] for d in data], self.options.prefix_share_min_tokens)
         with torch.set_grad_enabled(backward):
-            for group in groups:
-                shared = prefix_sharing.SharedPrefix(
-                    partial(self._logits, self.peft), self.model.config, self._cache_kwarg,
-                    torch.from_numpy(data[group.members[0]]["tokens"][:group.prefix_len]).to(self.device))
-                for chunk in prefix_sharing.chunk_group(group, lengths, budget):
-                    results.add(chunk, self._shared_logprobs(shared, [data[i] for i in chunk]), backward)
+            for batch in prefix_sharing.batch_groups(groups, budget):
+                prompts = np.stack([data[g.members[0]]["tokens"][:batch.prefix_len] for g in batch.groups])
+                shared = prefix_sharing.SharedPrefix(partial(self._logits, self.peft), self.model.config,
+                                                     self._cache_kwarg, torch.from_numpy(prompts).to(self.device))
+                for chunk in prefix_sharing.chunk_batch(batch, lengths, budget):
+                    indices = [i for i, _ in chunk]
+                    which = torch.tensor([row for _, row in chunk], device=self.device)
+                    results.add(indices, self._shared_logprobs(shared, [data[i] for i in indices], which), backward)
                 if backward:
                     shared.backward()
                 del shared
@@ -209,14 +211,15 @@ class ModelHost:
         return token_logprobs(self._logits(self.peft, input_ids=ids, attention_mask=attention, use_cache=False),
                               targets)
 
-    def _shared_logprobs(self, shared: prefix_sharing.SharedPrefix, rows: list[dict[str, np.ndarray]]) -> torch.Tensor:
-        """Like ``_target_logprobs``, for rows that all start with ``shared``'s prefix."""
+    def _shared_logprobs(self, shared: prefix_sharing.SharedPrefix, rows: list[dict[str, np.ndarray]],
+                         which: torch.Tensor) -> torch.Tensor:
+        """Like ``_target_logprobs``, for rows that start with ``shared``'s prefixes (row i with prefix which[i])."""
         n = shared.prefix_len
         ids, attention = _padded([r["tokens"][n:] for r in rows], self.device)
         targets, _ = _padded([_targets(r)[n:] for r in rows], self.device)
         prefix_targets = torch.from_numpy(np.stack([_targets(r)[:n] for r in rows])).to(self.device)
-        return torch.cat([token_logprobs(shared.logits, prefix_targets),
-                          token_logprobs(shared.remainder_logits(ids, attention), targets)], dim=1)
+        return torch.cat([token_logprobs(shared.logits, prefix_targets, which),
+                          token_logprobs(shared.remainder_logits(ids, attention, which), targets)], dim=1)
 
     def _logits(self, model: nn.Module, **inputs) -> torch.Tensor:
         """The model's logits for ``inputs``, under the configured autocast and activation checkpointing."""
@@ -427,16 +430,16 @@ def _micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
     return batches
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """float32 log-probability of each target token: logits [B, T, V] (or [1, T, V], shared by every row) and
-    targets [B, T] -> [B, T]. No second (B, T, V) tensor in the forward pass."""
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 log-probability of each target token: logits [B, T, V], targets [B, T] -> [B, T]. With ``rows``,
+    target row i reads logits row rows[i] (prefix logits shared by several datums, never copied per datum).
+    No second (B, T, V) tensor in the forward pass."""
     logits = logits.float()
     norm = torch.logsumexp(logits, dim=-1)
-    if logits.shape[0] == targets.shape[0]:
-        picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    else:  # one row of logits for every target row: index it rather than copy it per row
-        picked = logits[0, torch.arange(targets.shape[1], device=targets.device), targets]
-    return picked - norm
+    if rows is None:
+        return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - norm
+    positions = torch.arange(targets.shape[1], device=targets.device)
+    return logits[rows[:, None], positions[None, :], targets] - norm[rows]
 
 
 def _targets(datum: dict[str, np.ndarray]) -> np.ndarray:
