@@ -63,6 +63,9 @@ def connect(config: ClusterConfig, storage: str | Path, models: int = 1) -> "Clu
     except ImportError as exc:
         raise ClusterError(f"Ray is not installed: pip install -e '.[worker,cluster]' ({exc})") from None
 
+    if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
+        logger.warning("Ray token authentication is off (RAY_AUTH_MODE=disabled): anyone who can reach the cluster's "
+                       "ports can run code on it. Unset it and share ~/.ray/auth_token between the nodes instead")
     env = {k: os.environ[k] for k in _FORWARDED_ENV if k in os.environ}
     options = {"namespace": NAMESPACE, "runtime_env": {"env_vars": env} if env else None,
                "include_dashboard": False, "logging_level": logging.WARNING}
