@@ -61,7 +61,8 @@ def main(argv=None):
     tokenizer = training_client.get_tokenizer()
     stop = stop_sequences(tokenizer)
     fewshot = FEWSHOT[args.dataset]  # the strawberry example for gsm8k, worked additions for arithmetic
-    adam_params = trio.AdamParams(learning_rate=args.learning_rate, beta1=args.beta1, beta2=args.beta2)
+    adam_params = trio.AdamParams(learning_rate=args.learning_rate, beta1=args.beta1, beta2=args.beta2,
+                                  eps=args.adam_eps)
     config = {**vars(args), "script": "sync", "num_steps": total_steps, "train_rows": len(train_rows)}
     logger = MetricsLogger(log_dir, config, args.swanlab_mode, args.swanlab_project)
     first_step_datums = None

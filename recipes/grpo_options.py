@@ -1,0 +1,90 @@
+"""The demos' command line and run setup: options, log folder, step count, sampling seeds, the client."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import zlib
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import pytrio_compat as trio
+
+
+LOSS_FNS = ("importance_sampling", "ppo", "cispo")
+SWANLAB_MODES = ("online", "local", "offline", "disabled")
+DATASETS = ("gsm8k", "arithmetic")
+
+
+def build_arg_parser(description: str) -> argparse.ArgumentParser:
+    """The command line shared by both demos (defaults follow the upstream PyTRIO GSM8K demos)."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--base-model", default="Qwen/Qwen3.5-4B", help="base model to put the LoRA on")
+    p.add_argument("--lora-rank", type=int, default=32, help="LoRA rank")
+    p.add_argument("--no-train-unembed", dest="train_unembed", action="store_false",
+                   help="no LoRA on the output projection (lm_head); attention and MLP only")
+    p.add_argument("--steps", type=int, default=10, help="number of GRPO steps (batch-size prompts each)")
+    p.add_argument("--all-data", action="store_true", help="one pass over the whole train split; ignores --steps")
+    p.add_argument("--batch-size", type=int, default=4, help="prompts per step")
+    p.add_argument("--group-size", type=int, default=4, help="completions sampled per prompt")
+    p.add_argument("--max-tokens", type=int, default=1024, help="max new tokens per completion")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    p.add_argument("--top-p", type=float, default=1.0, help="sampling top_p")
+    p.add_argument("--seed", type=int, default=0, help="seed for data order, sampling and the LoRA init")
+    p.add_argument("--learning-rate", type=float, default=4e-5, help="Adam learning rate")
+    p.add_argument("--beta1", type=float, default=0.9, help="Adam beta1")
+    p.add_argument("--beta2", type=float, default=0.95, help="Adam beta2")
+    p.add_argument("--adam-eps", type=float, default=1e-12, help="Adam epsilon")
+    p.add_argument("--loss-fn", choices=LOSS_FNS, default="importance_sampling",
+                   help="importance_sampling / ppo (built in) or cispo (custom loss computed locally)")
+    p.add_argument("--cispo-clip-low", type=float, default=0.0, help="CISPO lower bound on the ratio")
+    p.add_argument("--cispo-clip-high", type=float, default=4.0, help="CISPO upper bound on the ratio")
+    p.add_argument("--swanlab-mode", choices=SWANLAB_MODES, default="disabled",
+                   help="SwanLab logging: online (cloud), local / offline (files under the log dir), disabled")
+    p.add_argument("--swanlab-project", default="pytrio-compat-grpo", help="SwanLab project name")
+    p.add_argument("--base-url", default=None,
+                   help="service URL (default: PYTRIO_BASE_URL; with none set, a local worker is started)")
+    p.add_argument("--api-key", default=None, help="API key (default: PYTRIO_API_KEY)")
+    p.add_argument("--dataset", choices=DATASETS, default="gsm8k",
+                   help="gsm8k, or arithmetic (generated 2-digit additions, learnable by tiny models)")
+    p.add_argument("--data-file", default=None,
+                   help="local GSM8K data: a .jsonl/.parquet file with question/answer columns, or a folder "
+                        "holding train/test files (e.g. ../shared/data/gsm8k); default: the HF hub")
+    p.add_argument("--test-file", default=None,
+                   help="local test split for evaluation (default: the test file in the --data-file folder)")
+    p.add_argument("--log-dir", default=None, help="where metrics.jsonl, config.json, curves.png go "
+                                                   "(default: runs/<timestamp>)")
+    p.add_argument("--eval-every", type=int, default=0,
+                   help="greedy test accuracy every N steps and at the end (0 = no evaluation)")
+    p.add_argument("--eval-size", type=int, default=50, help="number of test questions per evaluation")
+    return p
+
+
+def resolve_log_dir(log_dir: str | None) -> Path:
+    """`log_dir` as given, else a fresh `runs/<timestamp>` (suffixed if that folder already exists)."""
+    if log_dir:
+        return Path(log_dir)
+    base = Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
+    path, i = base, 1
+    while path.exists():
+        path, i = Path(f"{base}-{i}"), i + 1
+    return path
+
+
+def num_steps(args: argparse.Namespace, n_train_rows: int) -> int:
+    """`--steps`, or with `--all-data` enough steps to see every train row once."""
+    if args.all_data:
+        return math.ceil(n_train_rows / args.batch_size)
+    return args.steps
+
+
+def sample_seed(seed: int, step: int, prompt_index: int) -> int:
+    """Sampling seed for one prompt of one step: the same in the sync and the async demo."""
+    return zlib.crc32(f"{seed}:{step}:{prompt_index}".encode()) & 0x7FFFFFFF
+
+
+def make_service_client(args: argparse.Namespace) -> Any:
+    """`trio.ServiceClient` with `--api-key` / `--base-url` when given (else the SDK's env/profile defaults)."""
+    kwargs = {k: v for k, v in (("api_key", args.api_key), ("base_url", args.base_url)) if v is not None}
+    return trio.ServiceClient(**kwargs)
