@@ -65,6 +65,8 @@ async def read_json(request: Request, limit: int) -> Any:
         return json.loads(b"".join(chunks) or b"null")
     except ValueError:
         raise WorkerError(400, "invalid_json", "body: not valid JSON", "body") from None
+    except RecursionError:
+        raise WorkerError(400, "invalid_json", "body: JSON nested too deeply", "body") from None
 
 
 # --- models -----------------------------------------------------------------------------------------

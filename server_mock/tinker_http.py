@@ -140,6 +140,8 @@ def _parse_json(raw: bytes) -> tuple[dict, int, str]:
         body = json.loads(raw or b"{}")
     except ValueError:
         raise WorkerError(400, "invalid_json", "body: not valid JSON") from None
+    except RecursionError:
+        raise WorkerError(400, "invalid_json", "body: JSON nested too deeply") from None
     if not isinstance(body, dict):
         raise WorkerError(400, "invalid_json", "body: expected a JSON object")
     return body, len(raw), digest(body)

@@ -12,6 +12,9 @@ import torch
 __all__ = ["filtered_probs", "next_tokens", "row_seed", "stop_string_hit"]
 
 
+TINY_TEMPERATURE = 1e-20  # below it, temperature scales each logit's gap to the row's best one, in float64
+
+
 def row_seed(seed: int, row: int) -> int:
     """The generator seed of sample row ``row`` for request seed ``seed`` (a 63-bit int)."""
     ss = np.random.SeedSequence([int(seed) & 0xFFFFFFFFFFFFFFFF, int(row)])
@@ -20,7 +23,10 @@ def row_seed(seed: int, row: int) -> int:
 
 def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
     """Sampling probabilities from float32 logits ``(B, V)``: temperature, then top-k, then top-p."""
-    scaled = logits / temperature if temperature != 1.0 else logits
+    if temperature < TINY_TEMPERATURE:  # logits / temperature would overflow float32 (or divide by 0)
+        scaled = ((logits - logits.amax(dim=-1, keepdim=True)).double() / temperature).float()
+    else:
+        scaled = logits / temperature if temperature != 1.0 else logits
     vocab = scaled.shape[-1]
     if 0 < top_k < vocab:
         kth = scaled.topk(top_k, dim=-1).values[:, -1:]
