@@ -156,7 +156,7 @@ def test_sampler_replicas_agree_with_trainer_and_fetch_each_snapshot_once(ray_se
 
 def _sample_all(clients, prompt) -> list:
     return [client.sample(prompt, num_samples=4, sampling_params=trio.SamplingParams(
-        max_tokens=160, temperature=1.0, seed=seed, stop=[])) for client in clients for seed in (1, 2, 3)]
+        max_tokens=320, temperature=1.0, seed=seed, stop=[])) for client in clients for seed in (1, 2, 3)]
 
 
 def test_killed_sampler_replica_is_restarted_and_its_batch_retried(ray_service, ray_worker):
