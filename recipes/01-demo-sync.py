@@ -27,6 +27,7 @@ from grpo_lib import (
     group_advantages,
     is_degenerate,
     load_rows,
+    loss_fn_config,
     make_custom_cispo_loss,
     make_service_client,
     num_steps,
@@ -108,11 +109,12 @@ def main(argv=None):
             print(f"step {step}: no datums: skipping update")
         else:
             with stats.timer("time/train"):
-                if args.loss_fn == "cispo":
+                if args.loss_fn == "cispo" and args.custom_cispo:
                     cispo = make_custom_cispo_loss(args.cispo_clip_low, args.cispo_clip_high)
                     fb = training_client.forward_backward_custom(datums, cispo)
                 else:
-                    fb = training_client.forward_backward(datums, loss_fn=args.loss_fn)
+                    fb = training_client.forward_backward(datums, loss_fn=args.loss_fn,
+                                                                 loss_fn_config=loss_fn_config(args))
                 op = training_client.optim_step(adam_params)
                 fb_output = fb.result()
                 optim_output = op.result()

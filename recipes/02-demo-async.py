@@ -29,6 +29,7 @@ from grpo_lib import (
     group_advantages,
     is_degenerate,
     load_rows,
+    loss_fn_config,
     make_custom_cispo_loss,
     make_service_client,
     num_steps,
@@ -119,11 +120,12 @@ async def run(args):
             print(f"step {step}: no datums: skipping update")
         else:
             with stats.timer("time/train"):
-                if args.loss_fn == "cispo":
+                if args.loss_fn == "cispo" and args.custom_cispo:
                     cispo = make_custom_cispo_loss(args.cispo_clip_low, args.cispo_clip_high)
                     fb = await training_client.forward_backward_custom_async(datums, cispo)
                 else:
-                    fb = await training_client.forward_backward_async(datums, loss_fn=args.loss_fn)
+                    fb = await training_client.forward_backward_async(datums, loss_fn=args.loss_fn,
+                                                                 loss_fn_config=loss_fn_config(args))
                 op = await training_client.optim_step_async(adam_params)
                 fb_output = await fb
                 optim_output = await op

@@ -78,7 +78,8 @@ def make_custom_cispo_loss(clip_low: float = 0.0, clip_high: float = 4.0) -> Cal
 
     loss = -sum_t sg(clip(r_t, clip_low, clip_high)) * lp_t * A_t,  r_t = exp(lp_t - q_t)
     with lp the learner logprobs (differentiable), q the sampler logprobs and A the advantages, both read
-    from each datum's loss_fn_inputs. Metrics: `loss_mean` (loss / positions) and `cispo/clip_fraction`
+    from each datum's loss_fn_inputs. Metrics: `loss_mean` (loss / trained positions, those with A != 0, as the
+    worker's built-in losses report it) and `cispo/clip_fraction`
     (share of trained positions whose ratio was clipped).
     """
     if not 0.0 <= clip_low <= clip_high:
@@ -90,7 +91,7 @@ def make_custom_cispo_loss(clip_low: float = 0.0, clip_high: float = 4.0) -> Cal
         if len(data) != len(logprobs_list):
             raise ValueError(f"{len(data)} datums but {len(logprobs_list)} logprob tensors")
         total = None
-        positions, trained, clipped = 0, 0, 0
+        trained, clipped = 0, 0
         for datum, lp in zip(data, logprobs_list):
             lp = lp.float().reshape(-1)
             q = torch.tensor(datum.loss_fn_inputs["logprobs"].data, dtype=torch.float32, device=lp.device)
@@ -100,13 +101,12 @@ def make_custom_cispo_loss(clip_low: float = 0.0, clip_high: float = 4.0) -> Cal
             term = -(weight * lp * adv).sum()
             total = term if total is None else total + term
             mask = adv != 0
-            positions += lp.numel()
             trained += int(mask.sum())
             clipped += int(((ratio != weight) & mask).sum())
         if total is None:
             raise ValueError("CISPO loss got no datums")
         metrics = {
-            "loss_mean": float(total.detach()) / max(positions, 1),
+            "loss_mean": float(total.detach()) / max(trained, 1),
             "cispo/clip_fraction": clipped / trained if trained else 0.0,
         }
         return total, metrics

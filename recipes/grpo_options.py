@@ -37,7 +37,10 @@ def build_arg_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--beta2", type=float, default=0.95, help="Adam beta2")
     p.add_argument("--adam-eps", type=float, default=1e-12, help="Adam epsilon")
     p.add_argument("--loss-fn", choices=LOSS_FNS, default="importance_sampling",
-                   help="importance_sampling / ppo (built in) or cispo (custom loss computed locally)")
+                   help="importance_sampling, ppo or cispo: the worker's built-in losses (one pass)")
+    p.add_argument("--custom-cispo", action="store_true",
+                   help="with --loss-fn cispo: compute CISPO here through forward_backward_custom (two passes, "
+                        "as the upstream scripts do) instead of the worker's built-in cispo")
     p.add_argument("--cispo-clip-low", type=float, default=0.0, help="CISPO lower bound on the ratio")
     p.add_argument("--cispo-clip-high", type=float, default=4.0, help="CISPO upper bound on the ratio")
     p.add_argument("--swanlab-mode", choices=SWANLAB_MODES, default="disabled",
@@ -88,3 +91,10 @@ def make_service_client(args: argparse.Namespace) -> Any:
     """`trio.ServiceClient` with `--api-key` / `--base-url` when given (else the SDK's env/profile defaults)."""
     kwargs = {k: v for k, v in (("api_key", args.api_key), ("base_url", args.base_url)) if v is not None}
     return trio.ServiceClient(**kwargs)
+
+
+def loss_fn_config(args: argparse.Namespace) -> dict[str, float] | None:
+    """The `loss_fn_config` of the built-in loss: CISPO's ratio bounds, nothing for the others."""
+    if args.loss_fn == "cispo":
+        return {"clip_low_threshold": args.cispo_clip_low, "clip_high_threshold": args.cispo_clip_high}
+    return None

@@ -87,6 +87,7 @@ class FakeTrainingClient:
 
     def forward_backward(self, datums, loss_fn="cross_entropy", loss_fn_config=None, auto_shift=False):
         self.service.calls.append(("forward_backward", loss_fn, len(datums)))
+        self.service.loss_fn_configs.append(loss_fn_config)
         return APIFuture.completed(self._fb_output(datums))
 
     def forward_backward_custom(self, datums, loss_fn, loss_fn_config=None):
@@ -130,6 +131,7 @@ class FakeService:
         self.p_right = p_right
         self.p_truncate = p_truncate
         self.calls: list[tuple] = []
+        self.loss_fn_configs: list[dict | None] = []
         self.sample_calls: list[dict] = []
         self.snapshots = 0
         self.service_kwargs: dict | None = None

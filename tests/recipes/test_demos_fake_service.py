@@ -49,7 +49,8 @@ def test_demo_step_logic(script, tmp_path, fake_service, load_demo, tiny_tokeniz
         step, i = divmod(k, 3)
         params = call["params"]
         assert call["num_samples"] == 4
-        assert call["prompt"] == render_prompt(tiny_tokenizer, train_rows[step * 3 + i]["question"], FEWSHOT["arithmetic"])
+        question = train_rows[step * 3 + i]["question"]
+        assert call["prompt"] == render_prompt(tiny_tokenizer, question, FEWSHOT["arithmetic"])
         assert (params.max_tokens, params.temperature, params.top_p) == (32, 0.9, 0.95)
         assert params.stop == ["<|im_end|>"]
         assert params.seed == sample_seed(7, step, i)
@@ -133,8 +134,18 @@ def test_all_degenerate_groups_skip_the_update(script, tmp_path, fake_service, l
 
 
 @pytest.mark.parametrize("script", DEMOS)
-def test_cispo_goes_through_forward_backward_custom(script, tmp_path, fake_service, load_demo):
-    summary = load_demo(script).main(demo_args(tmp_path, "--loss-fn", "cispo"))
+def test_cispo_uses_the_workers_builtin_loss(script, tmp_path, fake_service, load_demo):
+    load_demo(script).main(demo_args(tmp_path, "--loss-fn", "cispo", "--cispo-clip-high", "3"))
+    kinds = [c[0] for c in fake_service.calls]
+    assert "forward_backward_custom" not in kinds
+    assert {c[1] for c in fake_service.calls if c[0] == "forward_backward"} == {"cispo"}
+    assert fake_service.loss_fn_configs
+    assert all(c == {"clip_low_threshold": 0.0, "clip_high_threshold": 3.0} for c in fake_service.loss_fn_configs)
+
+
+@pytest.mark.parametrize("script", DEMOS)
+def test_custom_cispo_goes_through_forward_backward_custom(script, tmp_path, fake_service, load_demo):
+    summary = load_demo(script).main(demo_args(tmp_path, "--loss-fn", "cispo", "--custom-cispo"))
     kinds = [c[0] for c in fake_service.calls]
     assert "forward_backward" not in kinds and "forward_backward_custom" in kinds
     trained = [row for row in summary["history"] if row["datums"] > 0]

@@ -19,6 +19,7 @@ FIXTURE = str(Path(__file__).resolve().parent / "fixtures" / "gsm8k_tiny.jsonl")
     [("01-demo-sync.py", "importance_sampling", ["--dataset", "arithmetic"]),
      ("02-demo-async.py", "ppo", ["--dataset", "arithmetic"]),
      ("02-demo-async.py", "cispo", ["--dataset", "arithmetic"]),
+     ("01-demo-sync.py", "cispo", ["--dataset", "arithmetic", "--custom-cispo"]),
      ("01-demo-sync.py", "importance_sampling", ["--dataset", "gsm8k", "--data-file", FIXTURE, "--test-file", FIXTURE]),
      ("02-demo-async.py", "importance_sampling", ["--dataset", "gsm8k", "--data-file", FIXTURE,
                                                  "--test-file", FIXTURE])],
