@@ -40,7 +40,7 @@ from grpo_data import (
     batch_rows,
 )
 from grpo_logging import (
-    StepStats, PLOTTED, MetricsLogger, plot_curves,
+    StepStats, PLOTTED, REWARD_WINDOW, MetricsLogger, curve_lines, moving_average, plot_curves,
 )
 from grpo_eval import (
     evaluate, evaluate_async, should_eval,

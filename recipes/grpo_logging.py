@@ -175,21 +175,56 @@ class MetricsLogger:
         self.close()
 
 
+REWARD_WINDOW = 5  # steps in the moving average drawn over the per-step reward
+
+
+def moving_average(values: Sequence[float], window: int) -> list[float]:
+    """Trailing mean over the last `window` values (fewer at the start): one output per input."""
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def curve_lines(history: Sequence[dict]) -> dict[str, list[tuple[str, list[float], list[float]]]]:
+    """What each panel of curves.png draws: (label, steps, values) per line. The reward, noisy from step to
+    step with few prompts, gets its moving average beside the raw values."""
+    panels: dict[str, list[tuple[str, list[float], list[float]]]] = {}
+    for key in PLOTTED:
+        points = [(row["step"], row[key]) for row in history if key in row]
+        if not points:
+            panels[key] = []
+            continue
+        xs, ys = (list(v) for v in zip(*points))
+        panels[key] = [("per step", xs, ys)]
+        if key == "reward":
+            panels[key].append((f"moving average ({REWARD_WINDOW} steps)", xs, moving_average(ys, REWARD_WINDOW)))
+    return panels
+
+
 def plot_curves(history: Sequence[dict], path: str | os.PathLike) -> Path:
-    """One panel per metric in PLOTTED (value vs step)."""
+    """One panel per metric in PLOTTED (value vs step); the reward panel adds its moving average."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 2, figsize=(10, 7))
-    for ax, key in zip(axes.flat, PLOTTED):
-        points = [(row["step"], row[key]) for row in history if key in row]
-        if points:
-            xs, ys = zip(*points)
-            ax.plot(xs, ys, marker="o", markersize=3)
-        else:
+    for ax, (key, lines) in zip(axes.flat, curve_lines(history).items()):
+        for i, (label, xs, ys) in enumerate(lines):
+            if i == 0 and len(lines) > 1:  # the raw values under their smoothed line
+                ax.plot(xs, ys, marker="o", markersize=3, alpha=0.35, linewidth=1, label=label)
+            else:
+                ax.plot(xs, ys, marker="o" if len(lines) == 1 else None, markersize=3, linewidth=2, label=label)
+        if not lines:
             ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
+        elif len(lines) > 1:
+            ax.legend(fontsize=8)
         ax.set_title(key)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)

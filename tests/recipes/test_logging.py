@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from recipes.grpo_lib import MetricsLogger, plot_curves, resolve_log_dir
+from recipes.grpo_lib import REWARD_WINDOW, MetricsLogger, curve_lines, moving_average, plot_curves, resolve_log_dir
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -93,3 +93,26 @@ def test_resolve_log_dir(tmp_path, monkeypatch):
     first.mkdir(parents=True)
     second = resolve_log_dir(None)
     assert second != first and not second.exists()
+
+
+def test_moving_average_matches_numpy():
+    import numpy as np
+
+    values = list(np.random.default_rng(0).uniform(0, 1, 23))
+    for window in (1, 3, 5, 30):
+        expected = [np.mean(values[max(0, i - window + 1):i + 1]) for i in range(len(values))]
+        assert moving_average(values, window) == pytest.approx(expected, abs=1e-12)
+    with pytest.raises(ValueError, match="window"):
+        moving_average(values, 0)
+
+
+def test_reward_panel_draws_raw_values_and_their_moving_average():
+    history = [{"step": i, "reward": r} for i, r in enumerate([0.0, 1.0, 0.5, 0.25, 0.75, 1.0, 0.0])]
+    history.append({"step": 7, "eval/accuracy": 0.4})
+    panels = curve_lines(history)
+    (raw_label, xs, raw), (avg_label, xs2, avg) = panels["reward"]
+    assert xs == xs2 == list(range(7)) and raw == [row["reward"] for row in history[:7]]
+    assert avg == pytest.approx([sum(raw[max(0, i - REWARD_WINDOW + 1):i + 1]) / min(i + 1, REWARD_WINDOW)
+                                 for i in range(7)])
+    assert "moving average" in avg_label and raw_label == "per step"
+    assert panels["eval/accuracy"] == [("per step", [7], [0.4])] and panels["loss_mean"] == []
