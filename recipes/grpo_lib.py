@@ -23,7 +23,7 @@ Conventions (the same as the PyTRIO / Tinker cookbook GRPO recipes):
 
 from grpo_options import (
     LOSS_FNS, SWANLAB_MODES, DATASETS, build_arg_parser, resolve_log_dir, num_steps, sample_seed,
-    make_service_client, loss_fn_config,
+    make_service_client, loss_fn_config, DATASET_DEFAULTS, RecipeArgParser,
 )
 from grpo_prompts import (
     QUESTION_SUFFIX, FEWSHOT_PREFIX, ARITHMETIC_FEWSHOT_PREFIX, FEWSHOT, build_messages, render_prompt,

@@ -17,25 +17,59 @@ SWANLAB_MODES = ("online", "local", "offline", "disabled")
 DATASETS = ("gsm8k", "arithmetic")
 
 
+# Defaults that depend on --dataset. gsm8k: the upstream PyTRIO GSM8K demos. arithmetic: the CPU demo of
+# scripts/demo.sh, chosen from the measurements in docs/benchmarks.md ("Learning: recipe vs plain loop").
+DATASET_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gsm8k": {"base_model": "Qwen/Qwen3.5-4B", "lora_rank": 32, "train_unembed": True, "steps": 10,
+              "group_size": 4, "max_tokens": 1024, "learning_rate": 4e-5, "beta2": 0.95, "adam_eps": 1e-12,
+              "eval_every": 0, "eval_size": 50},
+    "arithmetic": {"base_model": "HuggingFaceTB/SmolLM2-135M-Instruct", "lora_rank": 16, "train_unembed": True,
+                   "steps": 20, "group_size": 8, "max_tokens": 40, "learning_rate": 2e-4, "beta2": 0.95,
+                   "adam_eps": 1e-12, "eval_every": 10, "eval_size": 200},
+}
+
+
+class RecipeArgParser(argparse.ArgumentParser):
+    """An ArgumentParser that fills the options left unset from DATASET_DEFAULTS[--dataset]."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        parsed, extras = super().parse_known_args(args, namespace)
+        for key, value in DATASET_DEFAULTS[parsed.dataset].items():
+            if getattr(parsed, key, None) is None:
+                setattr(parsed, key, value)
+        return parsed, extras
+
+
+def _default_help(key: str) -> str:
+    g, a = DATASET_DEFAULTS["gsm8k"][key], DATASET_DEFAULTS["arithmetic"][key]
+    return f"default {g} (gsm8k) / {a} (arithmetic)"
+
+
 def build_arg_parser(description: str) -> argparse.ArgumentParser:
-    """The command line shared by both demos (defaults follow the upstream PyTRIO GSM8K demos)."""
-    p = argparse.ArgumentParser(description=description)
-    p.add_argument("--base-model", default="Qwen/Qwen3.5-4B", help="base model to put the LoRA on")
-    p.add_argument("--lora-rank", type=int, default=32, help="LoRA rank")
+    """The command line shared by both demos (defaults per --dataset: DATASET_DEFAULTS)."""
+    p = RecipeArgParser(description=description)
+    p.add_argument("--base-model", default=None, help=f"base model to put the LoRA on; {_default_help('base_model')}")
+    p.add_argument("--lora-rank", type=int, default=None, help=f"LoRA rank; {_default_help('lora_rank')}")
+    p.add_argument("--train-unembed", dest="train_unembed", action="store_true", default=None,
+                   help=f"LoRA on the output projection (lm_head) too; {_default_help('train_unembed')}")
     p.add_argument("--no-train-unembed", dest="train_unembed", action="store_false",
                    help="no LoRA on the output projection (lm_head); attention and MLP only")
-    p.add_argument("--steps", type=int, default=10, help="number of GRPO steps (batch-size prompts each)")
+    p.add_argument("--steps", type=int, default=None,
+                   help=f"number of GRPO steps (batch-size prompts each); {_default_help('steps')}")
     p.add_argument("--all-data", action="store_true", help="one pass over the whole train split; ignores --steps")
     p.add_argument("--batch-size", type=int, default=4, help="prompts per step")
-    p.add_argument("--group-size", type=int, default=4, help="completions sampled per prompt")
-    p.add_argument("--max-tokens", type=int, default=1024, help="max new tokens per completion")
+    p.add_argument("--group-size", type=int, default=None,
+                   help=f"completions sampled per prompt; {_default_help('group_size')}")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help=f"max new tokens per completion; {_default_help('max_tokens')}")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
     p.add_argument("--top-p", type=float, default=1.0, help="sampling top_p")
     p.add_argument("--seed", type=int, default=0, help="seed for data order, sampling and the LoRA init")
-    p.add_argument("--learning-rate", type=float, default=4e-5, help="Adam learning rate")
+    p.add_argument("--learning-rate", type=float, default=None,
+                   help=f"Adam learning rate; {_default_help('learning_rate')}")
     p.add_argument("--beta1", type=float, default=0.9, help="Adam beta1")
-    p.add_argument("--beta2", type=float, default=0.95, help="Adam beta2")
-    p.add_argument("--adam-eps", type=float, default=1e-12, help="Adam epsilon")
+    p.add_argument("--beta2", type=float, default=None, help=f"Adam beta2; {_default_help('beta2')}")
+    p.add_argument("--adam-eps", type=float, default=None, help=f"Adam epsilon; {_default_help('adam_eps')}")
     p.add_argument("--loss-fn", choices=LOSS_FNS, default="importance_sampling",
                    help="importance_sampling, ppo or cispo: the worker's built-in losses (one pass)")
     p.add_argument("--custom-cispo", action="store_true",
@@ -58,9 +92,11 @@ def build_arg_parser(description: str) -> argparse.ArgumentParser:
                    help="local test split for evaluation (default: the test file in the --data-file folder)")
     p.add_argument("--log-dir", default=None, help="where metrics.jsonl, config.json, curves.png go "
                                                    "(default: runs/<timestamp>)")
-    p.add_argument("--eval-every", type=int, default=0,
-                   help="greedy test accuracy every N steps and at the end (0 = no evaluation)")
-    p.add_argument("--eval-size", type=int, default=50, help="number of test questions per evaluation")
+    p.add_argument("--eval-every", type=int, default=None,
+                   help=f"greedy test accuracy every N steps and at the end (0 = no evaluation); "
+                        f"{_default_help('eval_every')}")
+    p.add_argument("--eval-size", type=int, default=None,
+                   help=f"number of test questions per evaluation; {_default_help('eval_size')}")
     return p
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from recipes.grpo_lib import (
+    DATASET_DEFAULTS,
     FEWSHOT,
     build_datum,
     grade,
@@ -29,7 +30,7 @@ DEMOS = ["01-demo-sync.py", "02-demo-async.py"]
 
 def demo_args(tmp_path: Path, *extra: str) -> list[str]:
     return ["--dataset", "arithmetic", "--steps", "2", "--batch-size", "3", "--group-size", "4",
-            "--max-tokens", "32", "--seed", "7", "--log-dir", str(tmp_path / "run"), *extra]
+            "--max-tokens", "32", "--seed", "7", "--eval-every", "0", "--log-dir", str(tmp_path / "run"), *extra]
 
 
 @pytest.mark.parametrize("script", DEMOS)
@@ -39,8 +40,9 @@ def test_demo_step_logic(script, tmp_path, fake_service, load_demo, tiny_tokeniz
     assert fake_service.configure_kwargs == {"actor_event_wait_timeout": 600, "actor_event_request_timeout": 600,
                                              "timeout": 600}
     assert fake_service.service_kwargs == {}  # no --api-key / --base-url: the SDK's own defaults
-    assert fake_service.training_kwargs == {"base_model": "Qwen/Qwen3.5-4B", "rank": 32, "seed": 7,
-                                            "train_unembed": True}
+    defaults = DATASET_DEFAULTS["arithmetic"]  # options not given come from the dataset's defaults
+    assert fake_service.training_kwargs == {"base_model": defaults["base_model"], "rank": defaults["lora_rank"],
+                                            "seed": 7, "train_unembed": defaults["train_unembed"]}
 
     # Sampling: one request per prompt, group_size samples, the step's prompts in shuffled-data order.
     train_rows = shuffle_rows(load_rows("arithmetic", "train", seed=7), 7)
@@ -62,7 +64,7 @@ def test_demo_step_logic(script, tmp_path, fake_service, load_demo, tiny_tokeniz
     for row in summary["history"]:
         if row["datums"] > 0:
             expected_calls += [("forward_backward", "importance_sampling", int(row["datums"])),
-                               ("optim_step", 4e-5, None)]
+                               ("optim_step", defaults["learning_rate"], None)]
     assert fake_service.calls == expected_calls + [("save_weights_for_sampler", "final", None)]
     assert trained_steps, "the fake's seeded coin flips should give at least one mixed group"
     assert summary["final_path"] == "trio://fake/final"

@@ -1,0 +1,27 @@
+"""Options whose defaults depend on --dataset: the upstream GSM8K ones, or the CPU arithmetic demo's."""
+
+import pytest
+
+from recipes.grpo_lib import DATASET_DEFAULTS, build_arg_parser
+
+
+@pytest.mark.parametrize("dataset", ["gsm8k", "arithmetic"])
+def test_unset_options_take_the_datasets_defaults(dataset):
+    args = build_arg_parser("t").parse_args(["--dataset", dataset])
+    for key, value in DATASET_DEFAULTS[dataset].items():
+        assert getattr(args, key) == value, key
+
+
+def test_gsm8k_keeps_the_upstream_defaults():
+    args = build_arg_parser("t").parse_args([])
+    assert (args.dataset, args.base_model, args.lora_rank, args.learning_rate, args.group_size,
+            args.max_tokens, args.beta2, args.adam_eps, args.train_unembed) == (
+        "gsm8k", "Qwen/Qwen3.5-4B", 32, 4e-5, 4, 1024, 0.95, 1e-12, True)
+
+
+def test_given_options_win_over_dataset_defaults():
+    args = build_arg_parser("t").parse_args(["--dataset", "arithmetic", "--lora-rank", "8", "--beta2", "0.9",
+                                             "--train-unembed", "--eval-every", "0"])
+    assert (args.lora_rank, args.beta2, args.train_unembed, args.eval_every) == (8, 0.9, True, 0)
+    args = build_arg_parser("t").parse_args(["--no-train-unembed"])
+    assert args.train_unembed is False
