@@ -134,6 +134,7 @@ def main() -> None:
         proc, url = start_worker(model, tmp / "local", "--threads", "2")
         try:
             out["one_process_2_threads"] = measure(url, args.steps, args.max_tokens)
+            save("ray_scaling", out)  # kept if the second half does not finish
         finally:
             proc.terminate()
             proc.wait()
