@@ -247,7 +247,7 @@ class ModelHost:
                 if hasattr(module, "_can_checkpoint_with_cache"):
                     module._can_checkpoint_with_cache = True
         why_not = prefix_sharing.probe(self.model, partial(self._logits, self.model), token_logprobs,
-                                       self.vocab_size)
+                                       self.vocab_size, half_precision=self.options.autocast_bf16)
         if why_not:
             logger.warning("model type %s: forward/backward does not share prompt prefixes (%s); every datum runs "
                            "its full sequence (correct, slower)", model_type, why_not)

@@ -224,6 +224,39 @@ def test_activation_checkpointing_matches(tiny_model_dir, hosts, monkeypatch):
     assert_same(shared, train_step(hosts[1], data, "cispo"))
 
 
+def test_bf16_autocast_still_shares(tiny_model_dir, monkeypatch):
+    """Under bf16 autocast the probe accepts bf16's rounding; the results stay as close as bf16 allows."""
+    host = make_host(tiny_model_dir, share=True, autocast_bf16=True)
+    assert host.prefix_sharing
+    spy = Spy(monkeypatch)
+    data = grpo_batch("importance_sampling", seed=7)
+    shared, _, _, _ = train_step(host, data, "importance_sampling")
+    plain, _, _, _ = train_step(make_host(tiny_model_dir, share=False, autocast_bf16=True), data,
+                                "importance_sampling")
+    assert len(spy.prefixes) == 1
+    assert shared["metrics"]["loss:sum"] == pytest.approx(plain["metrics"]["loss:sum"], rel=2e-2, abs=2e-2)
+
+
+def test_prefix_graph_is_freed_when_the_call_returns(hosts, monkeypatch):
+    """No reference cycle keeps the prefix pass's tensors (and its autograd graph) alive after a call."""
+    import gc
+    import weakref
+
+    refs = []
+    init = prefix_sharing.SharedPrefix.__init__
+
+    def tracking_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        refs.extend(weakref.ref(t) for t in (self.logits, *self._roots))
+    monkeypatch.setattr(prefix_sharing.SharedPrefix, "__init__", tracking_init)
+    gc.disable()
+    try:
+        train_step(hosts[0], grpo_batch("cross_entropy", seed=8), "cross_entropy")
+        assert refs and all(r() is None for r in refs)
+    finally:
+        gc.enable()
+
+
 def test_sharing_off_when_disabled(tiny_model_dir, monkeypatch):
     spy = Spy(monkeypatch)
     host = make_host(tiny_model_dir, share=False)  # no probe either
