@@ -119,7 +119,8 @@ def main(argv=None):
                 fb_output = fb.result()
                 optim_output = op.result()
 
-        logger.log({**stats.metrics(datums, fb_output, optim_output), **metrics_extra}, step=step)
+        bounds = (args.cispo_clip_low, args.cispo_clip_high) if args.loss_fn == "cispo" else None
+        logger.log({**stats.metrics(datums, fb_output, optim_output, bounds), **metrics_extra}, step=step)
 
     final_accuracy = None
     if args.eval_every > 0:

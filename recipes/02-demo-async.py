@@ -130,7 +130,8 @@ async def run(args):
                 fb_output = await fb
                 optim_output = await op
 
-        logger.log({**stats.metrics(datums, fb_output, optim_output), **metrics_extra}, step=step)
+        bounds = (args.cispo_clip_low, args.cispo_clip_high) if args.loss_fn == "cispo" else None
+        logger.log({**stats.metrics(datums, fb_output, optim_output, bounds), **metrics_extra}, step=step)
 
     final_accuracy = None
     if args.eval_every > 0:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -71,6 +72,23 @@ def kl_sample_train(datums: Sequence[trio.Datum], fb_output: Any) -> float | Non
                 total += float(q) - float(lp)
                 count += 1
     return total / count if count else None
+
+
+def ratio_clip_fraction(datums: Sequence[trio.Datum], fb_output: Any, low: float, high: float) -> float | None:
+    """Share of trained positions (advantage != 0) whose ratio exp(learner - sampler logprob) lies outside
+    [low, high], from `fb_output.loss_fn_outputs[i]["logprobs"]`; None when there is nothing to compare."""
+    outside, count = 0, 0
+    outputs = getattr(fb_output, "loss_fn_outputs", None) or []
+    for datum, out in zip(datums, outputs):
+        if "logprobs" not in out:
+            return None
+        sampler = datum.loss_fn_inputs["logprobs"].data
+        for q, lp, a in zip(sampler, out["logprobs"].data, datum.loss_fn_inputs["advantages"].data):
+            if a != 0.0:
+                ratio = math.exp(float(lp) - float(q))
+                outside += int(ratio < low or ratio > high)
+                count += 1
+    return outside / count if count else None
 
 
 def make_custom_cispo_loss(clip_low: float = 0.0, clip_high: float = 4.0) -> Callable:

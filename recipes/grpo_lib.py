@@ -34,6 +34,7 @@ from grpo_grading import (
 )
 from grpo_datums import (
     group_advantages, is_degenerate, build_datum, count_train_tokens, kl_sample_train, make_custom_cispo_loss,
+    ratio_clip_fraction,
 )
 from grpo_data import (
     HUB_HINT, DataUnavailableError, load_rows, eval_data_file, _load_hub_gsm8k, arithmetic_rows, shuffle_rows,

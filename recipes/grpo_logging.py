@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytrio_compat as trio
-from grpo_datums import count_train_tokens, is_degenerate, kl_sample_train
+from grpo_datums import count_train_tokens, is_degenerate, kl_sample_train, ratio_clip_fraction
 from grpo_options import SWANLAB_MODES
 
 
@@ -54,9 +54,11 @@ class StepStats:
         self.n_degenerate += int(is_degenerate(rewards))
 
     def metrics(
-        self, datums: Sequence[trio.Datum], fb_output: Any = None, optim_output: Any = None
+        self, datums: Sequence[trio.Datum], fb_output: Any = None, optim_output: Any = None,
+        cispo_bounds: tuple[float, float] | None = None,
     ) -> dict[str, float]:
-        """reward, frac_degenerate, rollout/*, datums, train_tokens, loss_mean, kl_sample_train, time/*."""
+        """reward, frac_degenerate, rollout/*, datums, train_tokens, loss_mean, kl_sample_train, time/*; with
+        `cispo_bounds` also cispo/clip_fraction (computed here when the loss did not report it)."""
         n = len(self.gen_lens)
         out: dict[str, float] = {
             "reward": sum(self.rewards) / len(self.rewards) if self.rewards else 0.0,
@@ -71,6 +73,10 @@ class StepStats:
             if "loss_mean" in fb_metrics:
                 out["loss_mean"] = float(fb_metrics["loss_mean"])
             out.update({k: float(v) for k, v in fb_metrics.items() if k.startswith("cispo/")})
+            if cispo_bounds is not None and "cispo/clip_fraction" not in out:
+                clipped = ratio_clip_fraction(datums, fb_output, *cispo_bounds)
+                if clipped is not None:
+                    out["cispo/clip_fraction"] = clipped
             kl = kl_sample_train(datums, fb_output)
             if kl is not None:
                 out["kl_sample_train"] = kl

@@ -9,7 +9,9 @@ import pytest
 from safetensors.torch import load_file
 
 import pytrio_compat as trio
-from recipes.grpo_lib import build_arg_parser, build_datum, loss_fn_config, make_custom_cispo_loss
+from recipes.grpo_lib import (
+    build_arg_parser, build_datum, loss_fn_config, make_custom_cispo_loss, ratio_clip_fraction,
+)
 
 pytestmark = pytest.mark.timeout(300)
 CLIP_LOW, CLIP_HIGH = 0.5, 2.0
@@ -61,6 +63,9 @@ def test_native_cispo_matches_custom_cispo(worker):
     inside = (ratios > CLIP_LOW) & (ratios < CLIP_HIGH)
     assert (ratios < CLIP_LOW).any() and (ratios > CLIP_HIGH).any() and inside.any(), ratios
 
+    # the recipe's clip fraction from the built-in loss's logprobs equals the one the custom loss reports
+    clipped = ratio_clip_fraction(datums, native_out, CLIP_LOW, CLIP_HIGH)
+    assert 0 < clipped < 1 and clipped == pytest.approx(custom_out.metrics["cispo/clip_fraction"])
     assert native_out.metrics["loss_mean"] == pytest.approx(custom_out.metrics["loss_mean"], rel=1e-5, abs=1e-6)
     assert native_step.metrics["grad_norm"] == pytest.approx(custom_step.metrics["grad_norm"], rel=1e-5)
     assert native_step.metrics["grad_norm"] > 0
