@@ -2,7 +2,32 @@
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
+import pytrio_compat as trio
+from support import WorkerProcess
+
 NAMESPACE = "pytrio_compat"
+
+
+def _e2e_numerics():
+    """tests/e2e/test_training_numerics.py, whose reference checks the Ray tests run again."""
+    path = Path(__file__).resolve().parents[1] / "e2e" / "test_training_numerics.py"
+    spec = importlib.util.spec_from_file_location("e2e_training_numerics", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+E2E = _e2e_numerics()
+
+
+def start_ray_worker(address: str, model_dir: Path, root: Path, trainer_groups: int) -> WorkerProcess:
+    """A worker on the cluster at ``address``: 2 sampler replicas, ``trainer_groups`` groups of 2 ranks."""
+    return WorkerProcess(model_dir, root / "storage", "--ray", address, "--sampler-replicas", "2",
+                         "--train-replicas", "2", "--trainer-groups", str(trainer_groups),
+                         "--cpus-per-replica", "1").start()
 
 
 def named_actors(kind: str) -> dict[str, object]:
@@ -11,3 +36,26 @@ def named_actors(kind: str) -> dict[str, object]:
 
     return {name: ray.get_actor(name, namespace=NAMESPACE)
             for name in ray.util.list_named_actors() if name.split("/")[-1].startswith(kind)}
+
+
+def moved_state(service) -> tuple[str, object]:
+    """As the e2e ``trained_state`` fixture: a run moved off its initial weights, saved with save_state."""
+    tc = service.create_lora_training_client("tiny", rank=8, seed=7)
+    tok = tc.get_tokenizer()
+    ids = tok.encode("1 + 1 = 2. 2 + 2 = 4.")
+    datum = trio.Datum(model_input=trio.ModelInput.from_ints(ids[:-1]), loss_fn_inputs={"target_tokens": ids[1:]})
+    for _ in range(3):
+        tc.forward_backward([datum]).result()
+        tc.optim_step(trio.AdamParams(learning_rate=5e-3)).result()
+    return tc.save_state("moved").result().path, tok
+
+
+def trainer_runs() -> dict[str, set[str]]:
+    """Runs held by each trainer group (by actor-name prefix), asked of the rank-0 actors."""
+    import ray
+
+    out: dict[str, set[str]] = {}
+    for name, actor in named_actors("trainer").items():
+        if name.endswith("-r0"):
+            out[name[:-len("-r0")]] = set(ray.get(actor.runs.remote(), timeout=60))
+    return out
