@@ -107,11 +107,13 @@ def arithmetic(host, data) -> dict:
     groups = prefix_sharing.find_groups([d["tokens"] for d in data], host.options.prefix_share_min_tokens)
     shared = padded_shared = 0
     grouped = set()
-    for g in groups:
-        grouped |= set(g.members)
-        shared += g.prefix_len + sum(lengths[i] - g.prefix_len for i in g.members)
-        padded_shared += g.prefix_len + sum(len(c) * (max(lengths[i] for i in c) - g.prefix_len)
-                                            for c in prefix_sharing.chunk_group(g, lengths, MICRO_BATCH_TOKENS))
+    for batch in prefix_sharing.batch_groups(groups, MICRO_BATCH_TOKENS):
+        prompts, n = len(batch.groups), batch.prefix_len
+        members = [i for i, _ in batch.rows()]
+        grouped |= set(members)
+        shared += prompts * n + sum(lengths[i] - n for i in members)
+        padded_shared += prompts * n + sum(len(c) * (max(lengths[i] for i, _ in c) - n)
+                                           for c in prefix_sharing.chunk_batch(batch, lengths, MICRO_BATCH_TOKENS))
     rest = [lengths[i] for i in range(len(data)) if i not in grouped]
     shared += sum(rest)
     padded_shared += sum(len(b) * max(rest[i] for i in b) for b in _micro_batches(rest, MICRO_BATCH_TOKENS))
@@ -172,6 +174,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--gsm8k-groups", type=int, default=2)
     parser.add_argument("--shapes", default="demo,gsm8k")
+    parser.add_argument("--no-warm-up", dest="warm_up", action="store_false",
+                        help="skip the untimed first call of each path on the real shapes")
     parser.add_argument("--memory-shapes", default="demo,gsm8k", help="comma-separated shapes to measure memory of")
     parser.add_argument("--profile-shapes", default="demo", help="comma-separated shapes to profile ('' for none)")
     parser.add_argument("--memory-child", nargs=2, metavar=("SHAPE", "MODE"))
@@ -185,7 +189,8 @@ def main(argv=None) -> dict:
                "probe_shares": host.prefix_sharing, "load_average_at_start": os.getloadavg(), "shapes": {}}
     for shape in args.shapes.split(","):
         data = make_batch(shape, host.tokenizer, host.vocab_size, args.gsm8k_groups)
-        for mode in ("shared", "unshared"):  # warm-up on the real shapes (the PEFT loop's are the unshared ones)
+        print(json.dumps({shape: arithmetic(host, data)}), flush=True)
+        for mode in ("shared", "unshared") if args.warm_up else ():  # the PEFT loop's shapes are the unshared ones
             call(host, adapter, data, mode)
         wall = {m: [] for m in MODES}
         cpu = {m: [] for m in MODES}  # CPU seconds of this process: less sensitive to other processes' load
@@ -196,6 +201,7 @@ def main(argv=None) -> dict:
                 losses[mode] = call(host, adapter, data, mode)
                 wall[mode].append(time.perf_counter() - start_wall)
                 cpu[mode].append(time.process_time() - start_cpu)
+                print(json.dumps({shape: mode, "wall_s": wall[mode][-1], "cpu_s": cpu[mode][-1]}), flush=True)
         entry = {"arithmetic": arithmetic(host, data),
                  "wall_s": {m: median(t) for m, t in wall.items()}, "cpu_s": {m: median(t) for m, t in cpu.items()},
                  "runs": {"wall": wall, "cpu": cpu},
