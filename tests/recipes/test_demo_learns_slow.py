@@ -26,7 +26,8 @@ def test_arithmetic_demo_raises_heldout_accuracy(load_demo, tmp_path, monkeypatc
     early, late = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     print(f"held-out greedy accuracy: {before:.2f} -> {after:.2f}; sampled reward {early:.2f} -> {late:.2f}")
     # Measured (seed 0): reward 0.24 -> 0.57 and accuracy 0.52 -> 0.60 on the earlier 50-problem set; on the
-    # 200-problem set the base model scores 0.43 and seed 0 reached 0.595 after 10 steps (docs/benchmarks.md).
+    # 200-problem set seed 0 went 0.43 -> 0.695 (+0.265) and reward 0.24 -> 0.57 (docs/benchmarks.md). The
+    # accuracy margin leaves about three standard errors (0.05) of a 200-problem difference below that.
     assert late - early >= 0.15, rewards
-    assert after - before >= 0.05, accuracy
+    assert after - before >= 0.12, accuracy
     assert (tmp_path / "run" / "curves.png").stat().st_size > 0
