@@ -79,6 +79,7 @@ def make_host(model_dir, share: bool, **options) -> ModelHost:
 
 
 def make_adapter(host: ModelHost):
+    host.delete_adapter("run")  # one a test that stopped midway left behind (parameter names must match)
     adapter = host.create_adapter("run", LoraSpec(rank=4, seed=3, train_unembed=True))
     generator = torch.Generator().manual_seed(0)
     for p in adapter.params.values():  # non-zero B, so every LoRA weight gets a gradient
