@@ -81,9 +81,19 @@ def _array_from_bytes(raw: bytes, dtype: int, where: str) -> np.ndarray:
     return arr.astype(np.float32 if dtype == DTYPE_FLOAT32 else np.int64)
 
 
+MAX_TENSOR_RANK = 4  # loss inputs are 1-D (2-D for per-token weights); a little room beyond
+MAX_TENSOR_DIM = 2**31 - 1  # any one axis; the element budget bounds the product
+
+
 def _declared_count(shape: list[int], where: str) -> int:
+    """The element count a declared shape implies, refusing shapes no array can take (even an empty one:
+    numpy will not reshape zero elements to ``[0, 2**62, 2**62]``)."""
+    if len(shape) > MAX_TENSOR_RANK:
+        raise ProtoError(f"{where}.shape", f"{shape} has {len(shape)} dimensions; at most {MAX_TENSOR_RANK}")
     if any(d < 0 for d in shape):
         raise ProtoError(f"{where}.shape", f"{shape} has a negative dimension")
+    if any(d > MAX_TENSOR_DIM for d in shape):
+        raise ProtoError(f"{where}.shape", f"{shape} has a dimension over {MAX_TENSOR_DIM}")
     return math.prod(shape)
 
 

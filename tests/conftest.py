@@ -5,10 +5,17 @@ from __future__ import annotations
 import os
 
 import pytest
+from hypothesis import settings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# Property tests draw the same examples on every run so a test run is repeatable; set
+# HYPOTHESIS_PROFILE=explore to draw fresh ones (and keep any input it finds as a regression test).
+settings.register_profile("repeatable", derandomize=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
 
 
 @pytest.fixture(scope="session")

@@ -264,3 +264,26 @@ def test_seq_gate_keeps_the_slim_form_while_waiting():
         assert held.total == 0 and held.by_session == {} and gate.next == 5
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("shape, match", [
+    ([0, 2**62, 2**62], "dimension over"),  # zero elements, but no array can take the shape
+    ([2**40, 0], "dimension over"),
+    ([1, 1, 1, 1, 1], "at most 4"),
+    ([2, -1], "negative"),
+])
+def test_shapes_no_array_can_take_are_refused_naming_the_field(shape, match):
+    for sparse in (False, True):
+        msg = pb.ForwardBackwardRequest(model_id="m", seq_id=1)
+        datum = msg.data.add()
+        datum.model_input.add().encoded_text.tokens = np.asarray([1, 2], "<i4").tobytes()
+        tensor = datum.loss_fn_inputs["weights"]
+        tensor.dtype = pb.DTYPE_FLOAT32
+        tensor.shape.extend(shape)
+        if sparse:
+            tensor.sparse_csr.values = b""
+        else:
+            tensor.dense = b""
+        with pytest.raises(tinker_proto.ProtoError, match=match) as info:
+            tinker_proto.decode_forward_backward_request(msg.SerializeToString())
+        assert info.value.field == "data[0].loss_fn_inputs.weights.shape"
