@@ -86,15 +86,18 @@ MAX_TENSOR_DIM = 2**31 - 1  # any one axis; the element budget bounds the produc
 
 
 def _declared_count(shape: list[int], where: str) -> int:
-    """The element count a declared shape implies, refusing shapes no array can take (even an empty one:
-    numpy will not reshape zero elements to ``[0, 2**62, 2**62]``)."""
     if len(shape) > MAX_TENSOR_RANK:
         raise ProtoError(f"{where}.shape", f"{shape} has {len(shape)} dimensions; at most {MAX_TENSOR_RANK}")
     if any(d < 0 for d in shape):
         raise ProtoError(f"{where}.shape", f"{shape} has a negative dimension")
-    if any(d > MAX_TENSOR_DIM for d in shape):
-        raise ProtoError(f"{where}.shape", f"{shape} has a dimension over {MAX_TENSOR_DIM}")
     return math.prod(shape)
+
+
+def _check_axes(shape: list[int], where: str) -> None:
+    """After the element budget: an empty shape may still name an axis no array can take
+    (numpy will not shape zero elements as ``[0, 2**62, 2**62]``)."""
+    if any(d > MAX_TENSOR_DIM for d in shape):
+        raise ProtoError(f"{where}.shape", f"{shape} has a dimension over {MAX_TENSOR_DIM}", status=413)
 
 
 def _csr_to_dense(csr: pb.SparseCsr, dtype: int, shape: list[int], where: str) -> np.ndarray:
@@ -127,6 +130,7 @@ def decode_tensor(tensor: pb.Tensor, where: str, budget: ElementBudget) -> np.nd
     if encoding == "sparse_csr":
         count = _declared_count(shape, where)
         budget.take(count, f"{where}.shape")
+        _check_axes(shape, where)
         return _csr_to_dense(tensor.sparse_csr, tensor.dtype, shape, where)
     np_dtype = _NP_DTYPES.get(tensor.dtype)
     if np_dtype is not None:  # counted before the array is made
@@ -135,6 +139,7 @@ def decode_tensor(tensor: pb.Tensor, where: str, budget: ElementBudget) -> np.nd
     if shape:
         if _declared_count(shape, where) != arr.size:
             raise ProtoError(f"{where}.shape", f"{shape} does not match the {arr.size} values sent")
+        _check_axes(shape, where)
         arr = arr.reshape(shape)
     return arr
 

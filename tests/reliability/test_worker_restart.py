@@ -40,6 +40,7 @@ def test_restart_fails_in_flight_calls_clearly_and_new_calls_reconnect(restartab
         tc.forward_backward([datum()]).result()
         saved = tc.save_state("before-restart").result().path
         in_flight = tc.forward_backward([datum(1)], loss_fn_config=SLOW)
+        time.sleep(1.5)  # the slow call reaches the model's thread first, so the sample below waits behind it
         sampler = client.create_sampling_client(base_model="tiny")
         queued = sampler.sample(trio.ModelInput.from_ints([3, 4, 5]), sampling_params=trio.SamplingParams(max_tokens=3))
         time.sleep(0.5)
