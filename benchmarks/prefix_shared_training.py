@@ -95,28 +95,29 @@ def call(host, adapter, data, mode: str) -> float:
 
 def arithmetic(host, data) -> dict:
     """Tokens each path runs through the model (real and padded) and the forward+backward GFLOP they imply."""
-    from server_mock import prefix_sharing
-    from server_mock.training import MICRO_BATCH_TOKENS, _micro_batches
+    from server_mock import prefix_planning
+    from server_mock.forward_backward import micro_batches
+    from server_mock.training import MICRO_BATCH_TOKENS
 
     config = host.model.config
     h, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
     kv = config.num_key_value_heads * (h // config.num_attention_heads)
     per_token = 2 * (layers * (2 * h * h + 2 * h * kv + 3 * h * inter) + h * config.vocab_size)  # forward matmuls
     lengths = [len(d["tokens"]) for d in data]
-    padded_full = sum(len(b) * max(lengths[i] for i in b) for b in _micro_batches(lengths, MICRO_BATCH_TOKENS))
-    groups = prefix_sharing.find_groups([d["tokens"] for d in data], host.options.prefix_share_min_tokens)
+    padded_full = sum(len(b) * max(lengths[i] for i in b) for b in micro_batches(lengths, MICRO_BATCH_TOKENS))
+    groups = prefix_planning.find_groups([d["tokens"] for d in data], host.options.prefix_share_min_tokens)
     shared = padded_shared = 0
     grouped = set()
-    for batch in prefix_sharing.batch_groups(groups, MICRO_BATCH_TOKENS):
+    for batch in prefix_planning.batch_groups(groups, MICRO_BATCH_TOKENS):
         prompts, n = len(batch.groups), batch.prefix_len
         members = [i for i, _ in batch.rows()]
         grouped |= set(members)
         shared += prompts * n + sum(lengths[i] - n for i in members)
         padded_shared += prompts * n + sum(len(c) * (max(lengths[i] for i, _ in c) - n)
-                                           for c in prefix_sharing.chunk_batch(batch, lengths, MICRO_BATCH_TOKENS))
+                                           for c in prefix_planning.chunk_batch(batch, lengths, MICRO_BATCH_TOKENS))
     rest = [lengths[i] for i in range(len(data)) if i not in grouped]
     shared += sum(rest)
-    padded_shared += sum(len(b) * max(rest[i] for i in b) for b in _micro_batches(rest, MICRO_BATCH_TOKENS))
+    padded_shared += sum(len(b) * max(rest[i] for i in b) for b in micro_batches(rest, MICRO_BATCH_TOKENS))
     # backward through frozen base weights costs about one more forward (input gradients only, LoRA is tiny)
     gflop = lambda tokens: 2 * per_token * tokens / 1e9  # noqa: E731
     return {"datums": len(data), "groups": [(g.prefix_len, len(g.members)) for g in groups],

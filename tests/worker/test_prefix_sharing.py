@@ -13,7 +13,7 @@ import torch
 
 from pytrio_compat.types import AdamParams
 from pytrio_compat.wire import LoraSpec
-from server_mock import prefix_sharing
+from server_mock import prefix_cache, prefix_planning, prefix_sharing
 from server_mock.losses import LOSS_FUNCTIONS
 from server_mock.tiny_model import TINY_FAMILIES, make_tiny_model
 from server_mock.training import ModelHost, TrainOptions
@@ -29,10 +29,10 @@ def test_groups_follow_the_shared_prompts():
     seqs = [np.concatenate([p, rng.integers(3, 500, n)]) for p, n in ((p1, 5), (p2, 7), (p1, 3), (p2, 1), (p1, 9))]
     seqs.append(rng.integers(3, 500, 50))  # shares nothing
     seqs.append(p1[:20].copy())  # shares only 19 tokens with p1's group (at least one token must stay after it)
-    groups = prefix_sharing.find_groups(seqs, min_tokens=32)
+    groups = prefix_planning.find_groups(seqs, min_tokens=32)
     assert {(g.prefix_len, tuple(sorted(g.members))) for g in groups} == {(40, (0, 2, 4)), (40, (1, 3))}
-    assert prefix_sharing.find_groups(seqs, min_tokens=0) == []
-    assert prefix_sharing.find_groups(seqs, min_tokens=41) == []
+    assert prefix_planning.find_groups(seqs, min_tokens=0) == []
+    assert prefix_planning.find_groups(seqs, min_tokens=41) == []
 
 
 def test_groups_choose_the_grouping_that_saves_most_tokens():
@@ -41,33 +41,33 @@ def test_groups_choose_the_grouping_that_saves_most_tokens():
     system = rng.integers(3, 500, 32)
     a, b = np.concatenate([system, rng.integers(3, 500, 60)]), np.concatenate([system, rng.integers(3, 500, 60)])
     seqs = [np.concatenate([p, rng.integers(3, 500, 4)]) for p in (a, a, a, b, b, b)]
-    groups = prefix_sharing.find_groups(seqs, min_tokens=16)
+    groups = prefix_planning.find_groups(seqs, min_tokens=16)
     assert sorted((g.prefix_len, sorted(g.members)) for g in groups) == [(92, [0, 1, 2]), (92, [3, 4, 5])]
     # identical sequences: the prefix stops one token short, so each still predicts something
     same = [np.arange(3, 40)] * 3
-    assert prefix_sharing.find_groups(same, min_tokens=8)[0].prefix_len == 36
+    assert prefix_planning.find_groups(same, min_tokens=8)[0].prefix_len == 36
 
 
 def test_chunks_fit_the_budget_after_the_prefixes():
-    batch = prefix_sharing.PrefixBatch(100, (prefix_sharing.PrefixGroup(100, (0, 1, 2, 3, 4)),))
+    batch = prefix_planning.PrefixBatch(100, (prefix_planning.PrefixGroup(100, (0, 1, 2, 3, 4)),))
     lengths = [110, 130, 105, 120, 140]  # remainders 10, 30, 5, 20, 40
-    chunks = prefix_sharing.chunk_batch(batch, lengths, budget=160)  # 60 padded remainder tokens per chunk
+    chunks = prefix_planning.chunk_batch(batch, lengths, budget=160)  # 60 padded remainder tokens per chunk
     assert chunks == [[(2, 0), (0, 0), (3, 0)], [(1, 0)], [(4, 0)]]
-    assert len(prefix_sharing.chunk_batch(batch, lengths, budget=50)) == 5  # one row at least
+    assert len(prefix_planning.chunk_batch(batch, lengths, budget=50)) == 5  # one row at least
 
 
 def test_prompts_of_similar_length_share_one_prefix_pass():
-    groups = [prefix_sharing.PrefixGroup(100, (0, 1)), prefix_sharing.PrefixGroup(60, (2, 3)),
-              prefix_sharing.PrefixGroup(95, (4, 5)), prefix_sharing.PrefixGroup(92, (6, 7))]
-    batches = prefix_sharing.batch_groups(groups, budget=1000)
+    groups = [prefix_planning.PrefixGroup(100, (0, 1)), prefix_planning.PrefixGroup(60, (2, 3)),
+              prefix_planning.PrefixGroup(95, (4, 5)), prefix_planning.PrefixGroup(92, (6, 7))]
+    batches = prefix_planning.batch_groups(groups, budget=1000)
     assert [(b.prefix_len, [g.members for g in b.groups]) for b in batches] == \
         [(92, [(0, 1), (4, 5), (6, 7)]), (60, [(2, 3)])]
     assert batches[0].rows() == [(0, 0), (1, 0), (4, 1), (5, 1), (6, 2), (7, 2)]
     # the prefix pass itself stays within the budget: 2 x 95 fits 200, a third prompt does not
-    assert [len(b.groups) for b in prefix_sharing.batch_groups(groups, budget=200)] == [2, 1, 1]
+    assert [len(b.groups) for b in prefix_planning.batch_groups(groups, budget=200)] == [2, 1, 1]
     # chunks after a two-prompt pass: budget minus both prompts
     lengths = [96, 97, 0, 0, 110, 130, 0, 0]  # remainders 1, 2, 15, 35 after the 95-token prefixes
-    chunks = prefix_sharing.chunk_batch(prefix_sharing.PrefixBatch(95, (groups[0], groups[2])), lengths, 230)
+    chunks = prefix_planning.chunk_batch(prefix_planning.PrefixBatch(95, (groups[0], groups[2])), lengths, 230)
     assert chunks == [[(0, 0), (1, 0)], [(4, 1)], [(5, 1)]]  # 230 - 2 x 95 = 40 padded tokens per chunk
 
 
@@ -289,7 +289,7 @@ def test_probe_rejects_a_path_that_is_not_exact(tiny_model_dir, monkeypatch, cap
     """A shared path whose remainder positions are one too far must be caught at load and not taken."""
     def shifted(self, ids, attention, which):
         rows, length = ids.shape
-        cache = prefix_sharing._replay_cache(self._config, self._states, self.prefix_len, which)
+        cache = prefix_cache.replay_cache(self._config, self._states, self.prefix_len, which)
         mask = torch.cat([attention.new_ones((rows, self.prefix_len)), attention], dim=1)
         positions = (torch.arange(length) + self.prefix_len + 1).expand(rows, length)
         return self._forward(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
