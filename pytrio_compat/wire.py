@@ -25,8 +25,10 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+# Models that are on the wire as they are in the public API: the worker takes them from here, so this
+# module is the whole of what it shares with the client.
 from .types.params import AdamParams
-from .types.responses import ModelOperationCapabilities
+from .types.responses import GetServerCapabilitiesResponse, ModelOperationCapabilities, SupportedModel  # noqa: F401
 from .types.tensor import WireTensor
 
 PROTOCOL_VERSION = 1

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pytrio_compat.types import AdamParams
+from pytrio_compat.wire import AdamParams
 
 from .errors import WorkerError, bad_request
 

@@ -7,8 +7,8 @@ Results are kept for ``result_ttl`` seconds after they finish (long-polled by cl
 from __future__ import annotations
 
 import asyncio
-import logging
 import collections
+import logging
 import threading
 import time
 import traceback

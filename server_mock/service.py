@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from pytrio_compat.types import ModelOperationCapabilities, SupportedModel
+from pytrio_compat.wire import ModelOperationCapabilities, SupportedModel
 
 from . import faults, local_adapters
 from .checkpoints import CheckpointsMixin

@@ -42,8 +42,8 @@ class CheckpointRef:
 def parse_path(path: str, field: str = "path") -> CheckpointRef:
     match = PATH_RE.match(path or "")
     if not match or not RUN_RE.match(match["run"]) or not NAME_RE.match(match["name"]) or len(match["name"]) > 200:
-        raise bad_request(field, f"{path!r} is not a checkpoint path of this worker; expected "
-                                 "trio://<run>/<state|sampler>/<name> as returned by save_state/save_weights_for_sampler",
+        raise bad_request(field, f"{path!r} is not a checkpoint path of this worker; expected trio://<run>/"
+                                 "<state|sampler>/<name> as returned by save_state/save_weights_for_sampler",
                           code="invalid_checkpoint_path")
     return CheckpointRef(match["run"], match["kind"], match["name"])
 

@@ -16,9 +16,7 @@ from typing import Any
 
 from starlette.requests import Request
 
-from pytrio_compat.types import AdamParams
-from pytrio_compat.types.tensor import WireTensor
-from pytrio_compat.wire import ForwardOp, OptimStepOp, WireDatum
+from pytrio_compat.wire import AdamParams, ForwardOp, OptimStepOp, WireDatum, WireTensor
 
 from . import tinker_proto as proto
 from . import tinker_proto_results as results
@@ -29,6 +27,7 @@ from .tinker_holding import Slim
 from .tinker_http import digest, field, read_body, read_json_sized
 from .tinker_paths import tinker_metrics
 from .tinker_state import TinkerModel, TinkerState
+
 
 def submit_op(state: TinkerState, model: TinkerModel, tenant: str, payload, body_digest: str,
               convert: Callable[[dict], Any] | None) -> Awaitable[Any]:

@@ -19,8 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from pytrio_compat.types import AdamParams
-from pytrio_compat.wire import LoraSpec
+from pytrio_compat.wire import AdamParams, LoraSpec
 
 from . import adamw, model_support, prefix_cache, prefix_sharing
 from .errors import bad_request

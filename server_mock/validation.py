@@ -7,9 +7,7 @@ import math
 
 import numpy as np
 
-from pytrio_compat.types import AdamParams
-from pytrio_compat.types.tensor import WireTensor
-from pytrio_compat.wire import ForwardOp, SampleRequest
+from pytrio_compat.wire import AdamParams, ForwardOp, SampleRequest, WireTensor
 
 from . import losses
 from .errors import WorkerError, bad_request

@@ -16,8 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pytrio_compat.types import AdamParams
-from pytrio_compat.wire import LoraSpec
+from pytrio_compat.wire import AdamParams, LoraSpec
 
 from ..errors import WorkerError
 from ..training import ModelHost, TrainOptions

@@ -16,9 +16,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from ..errors import WorkerError
-from .data_parallel import split_by_tokens
 from .actors import SamplerReplica
 from .config import NAMESPACE
+from .data_parallel import split_by_tokens
 
 logger = logging.getLogger("server_mock")
 

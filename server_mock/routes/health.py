@@ -5,8 +5,7 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.routing import Route
 
-from pytrio_compat.types import GetServerCapabilitiesResponse
-from pytrio_compat.wire import TokenizerFiles
+from pytrio_compat.wire import GetServerCapabilitiesResponse, TokenizerFiles
 
 from ..errors import WorkerError
 from ..http_common import endpoint, service_of
