@@ -27,19 +27,15 @@ def tiny_model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def worker(tiny_model_dir, tmp_path_factory):
-    from support import WorkerProcess
+    from support import running_worker
 
-    root = tmp_path_factory.mktemp("worker")
-    proc = WorkerProcess(tiny_model_dir, root / "storage").start()
-    yield proc
-    proc.stop()
+    with running_worker(tiny_model_dir, tmp_path_factory.mktemp("worker")) as proc:
+        yield proc
 
 
 @pytest.fixture()
 def service(worker, tmp_path, monkeypatch):
-    import pytrio_compat as trio
+    from support import sdk_service
 
-    monkeypatch.setenv("PYTRIO_COMPAT_CACHE", str(tmp_path / "cache"))
-    client = trio.ServiceClient(base_url=worker.base_url)
-    yield client
-    client.close()
+    with sdk_service(worker.base_url, tmp_path / "cache", monkeypatch) as client:
+        yield client

@@ -1,4 +1,4 @@
-"""Test helpers: a real worker in a child process, on a free loopback port."""
+"""Test helpers: a real worker in a child process, on a free loopback port; an SDK client of it; a trained run."""
 
 from __future__ import annotations
 
@@ -7,9 +7,13 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+
+import pytrio_compat as trio
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -65,3 +69,38 @@ class WorkerProcess:
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
+
+
+@contextmanager
+def running_worker(model_dir: Path, root: Path, *extra: str, **kwargs) -> Iterator[WorkerProcess]:
+    """A worker (``WorkerProcess`` arguments) keeping its storage and log under ``root``, stopped after the block."""
+    proc = WorkerProcess(model_dir, root / "storage", *extra, **kwargs).start()
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+@contextmanager
+def sdk_service(base_url: str, cache_dir: Path, monkeypatch) -> Iterator[trio.ServiceClient]:
+    """An SDK ServiceClient of the worker at ``base_url``, with its local cache in ``cache_dir`` (set for this
+    test only through ``monkeypatch``), closed after the block."""
+    monkeypatch.setenv("PYTRIO_COMPAT_CACHE", str(cache_dir))
+    client = trio.ServiceClient(base_url=base_url)
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+def moved_state(service) -> tuple[str, object]:
+    """A run moved away from its initial weights (LoRA B != 0), saved with save_state: its path, and the
+    tokenizer. The e2e reference checks start from it, on the local and on the Ray worker."""
+    tc = service.create_lora_training_client("tiny", rank=8, seed=7)
+    tok = tc.get_tokenizer()
+    ids = tok.encode("1 + 1 = 2. 2 + 2 = 4.")
+    datum = trio.Datum(model_input=trio.ModelInput.from_ints(ids[:-1]), loss_fn_inputs={"target_tokens": ids[1:]})
+    for _ in range(3):
+        tc.forward_backward([datum]).result()
+        tc.optim_step(trio.AdamParams(learning_rate=5e-3)).result()
+    return tc.save_state("moved").result().path, tok

@@ -1,9 +1,10 @@
-"""A local Ray cluster per test module (a few logical CPUs, shut down after the module) and a worker on it."""
+"""A local Ray cluster per test module (a few logical CPUs, shut down after the module) and an SDK client of
+the worker on it. Each test module starts its own worker on the cluster (its ``ray_worker`` fixture)."""
 
 from __future__ import annotations
 
-
 import pytest
+from support import sdk_service
 
 try:
     import ray
@@ -22,3 +23,10 @@ def ray_address():
         yield ray.get_runtime_context().gcs_address
     finally:
         ray.shutdown()
+
+
+@pytest.fixture()
+def ray_service(ray_worker, tmp_path, monkeypatch):
+    """A ServiceClient of the requesting module's ``ray_worker``, as the top-level ``service`` fixture."""
+    with sdk_service(ray_worker.base_url, tmp_path / "cache", monkeypatch) as client:
+        yield client

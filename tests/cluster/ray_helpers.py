@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import importlib.util
+from contextlib import AbstractContextManager
 from pathlib import Path
 
-import pytrio_compat as trio
-from support import WorkerProcess
+from support import WorkerProcess, running_worker
 
 NAMESPACE = "pytrio_compat"
 
@@ -23,11 +23,12 @@ def _e2e_numerics():
 E2E = _e2e_numerics()
 
 
-def start_ray_worker(address: str, model_dir: Path, root: Path, trainer_groups: int) -> WorkerProcess:
-    """A worker on the cluster at ``address``: 2 sampler replicas, ``trainer_groups`` groups of 2 ranks."""
-    return WorkerProcess(model_dir, root / "storage", "--ray", address, "--sampler-replicas", "2",
-                         "--train-replicas", "2", "--trainer-groups", str(trainer_groups),
-                         "--cpus-per-replica", "1").start()
+def running_ray_worker(address: str, model_dir: Path, root: Path, trainer_groups: int
+                       ) -> AbstractContextManager[WorkerProcess]:
+    """A worker on the cluster at ``address``: 2 sampler replicas, ``trainer_groups`` groups of 2 ranks; stopped
+    after the block. Each test module starts its own (a module-scoped ``ray_worker`` fixture)."""
+    return running_worker(model_dir, root, "--ray", address, "--sampler-replicas", "2", "--train-replicas", "2",
+                          "--trainer-groups", str(trainer_groups), "--cpus-per-replica", "1")
 
 
 def named_actors(kind: str) -> dict[str, object]:
@@ -36,18 +37,6 @@ def named_actors(kind: str) -> dict[str, object]:
 
     return {name: ray.get_actor(name, namespace=NAMESPACE)
             for name in ray.util.list_named_actors() if name.split("/")[-1].startswith(kind)}
-
-
-def moved_state(service) -> tuple[str, object]:
-    """As the e2e ``trained_state`` fixture: a run moved off its initial weights, saved with save_state."""
-    tc = service.create_lora_training_client("tiny", rank=8, seed=7)
-    tok = tc.get_tokenizer()
-    ids = tok.encode("1 + 1 = 2. 2 + 2 = 4.")
-    datum = trio.Datum(model_input=trio.ModelInput.from_ints(ids[:-1]), loss_fn_inputs={"target_tokens": ids[1:]})
-    for _ in range(3):
-        tc.forward_backward([datum]).result()
-        tc.optim_step(trio.AdamParams(learning_rate=5e-3)).result()
-    return tc.save_state("moved").result().path, tok
 
 
 def trainer_runs() -> dict[str, set[str]]:

@@ -11,7 +11,7 @@ import pytest
 import pytrio_compat as trio
 from pytrio_compat.errors import EventFailedError
 
-from .ray_helpers import named_actors, start_ray_worker, trainer_runs
+from .ray_helpers import named_actors, running_ray_worker, trainer_runs
 
 ray = pytest.importorskip("ray", reason="the cluster extra (pip install -e .[cluster]) is not installed")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -19,17 +19,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 @pytest.fixture(scope="module")
 def ray_worker(ray_address, tiny_model_dir, tmp_path_factory):
-    proc = start_ray_worker(ray_address, tiny_model_dir, tmp_path_factory.mktemp("ray-faults"), trainer_groups=2)
-    yield proc
-    proc.stop()
-
-
-@pytest.fixture()
-def ray_service(ray_worker, tmp_path, monkeypatch):
-    monkeypatch.setenv("PYTRIO_COMPAT_CACHE", str(tmp_path / "cache"))
-    client = trio.ServiceClient(base_url=ray_worker.base_url)
-    yield client
-    client.close()
+    root = tmp_path_factory.mktemp("ray-faults")
+    with running_ray_worker(ray_address, tiny_model_dir, root, trainer_groups=2) as proc:
+        yield proc
 
 
 def _sample_all(clients, prompt) -> list:

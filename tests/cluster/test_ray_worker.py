@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
-from support import REPO
+from support import REPO, moved_state
 
 import pytrio_compat as trio
 
-from .ray_helpers import E2E, moved_state, named_actors, start_ray_worker, trainer_runs
+from .ray_helpers import E2E, named_actors, running_ray_worker, trainer_runs
 
 ray = pytest.importorskip("ray", reason="the cluster extra (pip install -e .[cluster]) is not installed")
 pytestmark = pytest.mark.timeout(600)
@@ -25,17 +25,9 @@ pytestmark = pytest.mark.timeout(600)
 
 @pytest.fixture(scope="module")
 def ray_worker(ray_address, tiny_model_dir, tmp_path_factory):
-    proc = start_ray_worker(ray_address, tiny_model_dir, tmp_path_factory.mktemp("ray-worker"), trainer_groups=1)
-    yield proc
-    proc.stop()
-
-
-@pytest.fixture()
-def ray_service(ray_worker, tmp_path, monkeypatch):
-    monkeypatch.setenv("PYTRIO_COMPAT_CACHE", str(tmp_path / "cache"))
-    client = trio.ServiceClient(base_url=ray_worker.base_url)
-    yield client
-    client.close()
+    root = tmp_path_factory.mktemp("ray-worker")
+    with running_ray_worker(ray_address, tiny_model_dir, root, trainer_groups=1) as proc:
+        yield proc
 
 
 @pytest.mark.parametrize("loss_fn,cfg", [("cross_entropy", None), ("ppo", None), ("dro", {"beta": 0.3})])

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from peft import PeftModel
+from support import moved_state
 from transformers import AutoModelForCausalLM
 
 import pytrio_compat as trio
@@ -86,14 +87,7 @@ def make_batch(tokenizer, rng: np.random.Generator, with_policy: bool) -> list[t
 @pytest.fixture()
 def trained_state(service, worker):
     """A run moved away from its initial weights (LoRA B != 0), saved with save_state."""
-    tc = service.create_lora_training_client("tiny", rank=8, seed=7)
-    tok = tc.get_tokenizer()
-    ids = tok.encode("1 + 1 = 2. 2 + 2 = 4.")
-    datum = trio.Datum(model_input=trio.ModelInput.from_ints(ids[:-1]), loss_fn_inputs={"target_tokens": ids[1:]})
-    for _ in range(3):
-        tc.forward_backward([datum]).result()
-        tc.optim_step(trio.AdamParams(learning_rate=5e-3)).result()
-    return tc.save_state("moved").result().path, tok
+    return moved_state(service)
 
 
 @pytest.mark.parametrize("loss_fn,cfg", [

@@ -10,24 +10,11 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from openai_support import KEY_A, chat_prompt_ids, openai_url, reference_logprobs, start_worker
+from openai_support import KEY_A, chat_prompt_ids, openai_url, reference_logprobs
 
 import pytrio_compat as trio
 
 IDS = {"return_token_ids": True}  # the extension that returns the sampled token ids
-
-
-@pytest.fixture(scope="module")
-def worker(tiny_model_dir, tmp_path_factory):
-    proc = start_worker(tiny_model_dir, tmp_path_factory.mktemp("openai-worker"))
-    yield proc
-    proc.stop()
-
-
-@pytest.fixture(scope="module")
-def client(worker):
-    with openai.OpenAI(base_url=openai_url(worker), api_key=KEY_A, max_retries=0, timeout=120) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")

@@ -16,19 +16,6 @@ HELLO = [{"role": "user", "content": "hello"}]
 
 
 @pytest.fixture(scope="module")
-def worker(tiny_model_dir, tmp_path_factory):
-    proc = start_worker(tiny_model_dir, tmp_path_factory.mktemp("openai-errors"))
-    yield proc
-    proc.stop()
-
-
-@pytest.fixture(scope="module")
-def client(worker):
-    with openai.OpenAI(base_url=openai_url(worker), api_key=KEY_A, max_retries=0, timeout=120) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
 def other_tenant(worker):
     with openai.OpenAI(base_url=openai_url(worker), api_key=KEY_B, max_retries=0, timeout=120) as c:
         yield c

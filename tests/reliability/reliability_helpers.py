@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
+import torch
+import uvicorn
 
 import pytrio_compat as trio
+from server_mock.app import create_app
+from server_mock.service import WorkerService
 
 KEY_A, KEY_B = "key-tenant-a", "key-tenant-b"
 
@@ -31,3 +41,32 @@ def datum_wire(offset: int = 0, n: int = 20) -> dict:
     ids = np.asarray([(7 * i + offset) % 480 + 10 for i in range(n)], dtype=np.int64)
     return {"tokens": WireTensor.from_array(ids[:-1]).model_dump(),
             "loss_fn_inputs": {"target_tokens": WireTensor.from_array(ids[1:]).model_dump()}}
+
+
+def on_event_loop() -> bool:
+    """Whether the caller runs on an asyncio event loop (in the in-process worker: the loop that answers clients)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+@contextmanager
+def in_process_worker(model_dir: Path, storage: Path) -> Iterator[str]:
+    """A worker in this process (real uvicorn on a free loopback port, real HTTP; the tiny model on the CPU in
+    float32), so that a test can watch or hold what it does; yields its base URL, shut down after the block.
+    Patches meant to be seen by the worker go in before entering."""
+    service = WorkerService({"tiny": str(model_dir)}, storage, "cpu", torch.float32)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(create_app(service), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(15)

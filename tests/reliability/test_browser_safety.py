@@ -9,7 +9,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from support import WorkerProcess
+from support import running_worker
 
 from .reliability_helpers import KEY_A
 
@@ -20,9 +20,8 @@ BODY = '{"base_model": "tiny", "lora": {"rank": 4}}'
 def named_worker(tiny_model_dir, tmp_path_factory):
     """A keyless worker that also answers to the name my-box.lan."""
     root = tmp_path_factory.mktemp("named-worker")
-    proc = WorkerProcess(tiny_model_dir, root / "storage", "--allowed-host", "my-box.lan").start()
-    yield proc
-    proc.stop()
+    with running_worker(tiny_model_dir, root, "--allowed-host", "my-box.lan") as proc:
+        yield proc
 
 
 def test_json_routes_refuse_other_content_types(worker):

@@ -5,29 +5,12 @@ The worker runs in this process (real uvicorn, real HTTP) so that the store's re
 
 from __future__ import annotations
 
-import asyncio
-import socket
-import threading
-import time
-
 import httpx
 import pytest
-import torch
-import uvicorn
 
-from server_mock.app import create_app
-from server_mock.service import WorkerService
 from server_mock.storage import CheckpointStore
 
-from .reliability_helpers import datum_wire
-
-
-def _on_event_loop() -> bool:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return False
-    return True
+from .reliability_helpers import datum_wire, in_process_worker, on_event_loop
 
 
 @pytest.fixture()
@@ -38,21 +21,12 @@ def watched_worker(tiny_model_dir, tmp_path, monkeypatch):
         original = getattr(CheckpointStore, name)
 
         def watched(self, *args, _original=original, _name=name, **kwargs):
-            reads.append((_name, _on_event_loop()))
+            reads.append((_name, on_event_loop()))
             return _original(self, *args, **kwargs)
 
         monkeypatch.setattr(CheckpointStore, name, watched)
-    service = WorkerService({"tiny": str(tiny_model_dir)}, tmp_path / "storage", "cpu", torch.float32)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(service), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}", reads
-    server.should_exit = True
-    thread.join(15)
+    with in_process_worker(tiny_model_dir, tmp_path / "storage") as base:
+        yield base, reads
 
 
 def test_checkpoints_are_never_read_on_the_event_loop(watched_worker):

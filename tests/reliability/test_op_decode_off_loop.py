@@ -9,8 +9,6 @@ held: while the test holds a decode, ``/v1/health`` must answer at once."""
 
 from __future__ import annotations
 
-import asyncio
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -18,25 +16,15 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import numpy as np
 import pytest
-import torch
-import uvicorn
 from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
 from pytrio_compat.types.tensor import WireTensor
 from server_mock import http_common, validation
-from server_mock.app import create_app
-from server_mock.service import WorkerService
+
+from .reliability_helpers import in_process_worker, on_event_loop
 
 HOLD_SECONDS = 10.0  # a held decode gives up after this long (so the old, on-loop code fails, not hangs)
-
-
-def _on_event_loop() -> bool:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return False
-    return True
 
 
 class Watch:
@@ -50,7 +38,7 @@ class Watch:
         self.release = threading.Event()
 
     def decode(self, original, tensor, field_name):
-        self.decodes.append(_on_event_loop())
+        self.decodes.append(on_event_loop())
         if self.armed:
             self.armed = False
             self.holding.set()
@@ -58,7 +46,7 @@ class Watch:
         return original(tensor, field_name)
 
     def parse(self, original, model, raw):
-        self.parses.append((len(raw), _on_event_loop()))
+        self.parses.append((len(raw), on_event_loop()))
         return original(model, raw)
 
 
@@ -68,18 +56,11 @@ def watched_worker(tiny_model_dir, tmp_path, monkeypatch):
     decode, parse = validation.wire_array, http_common.parse_body
     monkeypatch.setattr(validation, "wire_array", lambda t, f: watch.decode(decode, t, f))
     monkeypatch.setattr(http_common, "parse_body", lambda m, r: watch.parse(parse, m, r))
-    service = WorkerService({"tiny": str(tiny_model_dir)}, tmp_path / "storage", "cpu", torch.float32)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(service), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}", watch
-    watch.release.set()
-    server.should_exit = True
-    thread.join(15)
+    with in_process_worker(tiny_model_dir, tmp_path / "storage") as base:
+        try:
+            yield base, watch
+        finally:
+            watch.release.set()  # a decode still held must not keep the server from stopping
 
 
 def _big_forward(datums: int = 64, n: int = 1000) -> dict:

@@ -6,7 +6,7 @@ import time
 
 import httpx
 import pytest
-from support import WorkerProcess
+from support import running_worker
 
 import pytrio_compat as trio
 from pytrio_compat.errors import RequestLostError
@@ -15,10 +15,8 @@ from server_mock.engine import Job, RequestStore
 
 @pytest.fixture(scope="module")
 def short_ttl_worker(tiny_model_dir, tmp_path_factory):
-    root = tmp_path_factory.mktemp("ttl-worker")
-    proc = WorkerProcess(tiny_model_dir, root / "storage", "--result-ttl", "1").start()
-    yield proc
-    proc.stop()
+    with running_worker(tiny_model_dir, tmp_path_factory.mktemp("ttl-worker"), "--result-ttl", "1") as proc:
+        yield proc
 
 
 def submit_sample(http: httpx.Client) -> str:
