@@ -96,7 +96,7 @@ def call(host, adapter, data, mode: str) -> float:
 def arithmetic(host, data) -> dict:
     """Tokens each path runs through the model (real and padded) and the forward+backward GFLOP they imply."""
     from server_mock import prefix_planning
-    from server_mock.forward_backward import micro_batches
+    from server_mock.prefix_planning import micro_batches
     from server_mock.training import MICRO_BATCH_TOKENS
 
     config = host.model.config
@@ -108,13 +108,14 @@ def arithmetic(host, data) -> dict:
     groups = prefix_planning.find_groups([d["tokens"] for d in data], host.options.prefix_share_min_tokens)
     shared = padded_shared = 0
     grouped = set()
-    for batch in prefix_planning.batch_groups(groups, MICRO_BATCH_TOKENS):
+    held = prefix_planning.shared_budget(lengths, MICRO_BATCH_TOKENS)  # the shared path's tokens at once
+    for batch in prefix_planning.batch_groups(groups, held):
         prompts, n = len(batch.groups), batch.prefix_len
         members = [i for i, _ in batch.rows()]
         grouped |= set(members)
         shared += prompts * n + sum(lengths[i] - n for i in members)
         padded_shared += prompts * n + sum(len(c) * (max(lengths[i] for i, _ in c) - n)
-                                           for c in prefix_planning.chunk_batch(batch, lengths, MICRO_BATCH_TOKENS))
+                                           for c in prefix_planning.chunk_batch(batch, lengths, held))
     rest = [lengths[i] for i in range(len(data)) if i not in grouped]
     shared += sum(rest)
     padded_shared += sum(len(b) * max(rest[i] for i in b) for b in micro_batches(rest, MICRO_BATCH_TOKENS))

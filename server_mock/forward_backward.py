@@ -26,12 +26,13 @@ def run_forward_backward(host: ModelHost, data: list[dict[str, np.ndarray]], los
     groups = []
     if host.prefix_sharing:
         groups = prefix_planning.find_groups([d["tokens"] for d in data], host.options.prefix_share_min_tokens)
+    shared_budget = prefix_planning.shared_budget(lengths, budget)
     with torch.set_grad_enabled(backward):
-        for batch in prefix_planning.batch_groups(groups, budget):
+        for batch in prefix_planning.batch_groups(groups, shared_budget):
             prompts = np.stack([data[g.members[0]]["tokens"][:batch.prefix_len] for g in batch.groups])
             shared = prefix_sharing.SharedPrefix(partial(host.logits, host.peft), host.model.config,
                                                  host.cache_kwarg, torch.from_numpy(prompts).to(host.device))
-            for chunk in prefix_planning.chunk_batch(batch, lengths, budget):
+            for chunk in prefix_planning.chunk_batch(batch, lengths, shared_budget):
                 indices = [i for i, _ in chunk]
                 which = torch.tensor([row for _, row in chunk], device=host.device)
                 results.add(indices, _shared_logprobs(host, shared, [data[i] for i in indices], which), backward)
@@ -40,7 +41,7 @@ def run_forward_backward(host: ModelHost, data: list[dict[str, np.ndarray]], los
             del shared
         grouped = {i for g in groups for i in g.members}
         rest = [i for i in range(len(data)) if i not in grouped]
-        for batch in micro_batches([lengths[i] for i in rest], budget):
+        for batch in prefix_planning.micro_batches([lengths[i] for i in rest], budget):
             batch = [rest[i] for i in batch]
             results.add(batch, _target_logprobs(host, [data[i] for i in batch]), backward)
     return results.summary()
@@ -63,22 +64,6 @@ def _shared_logprobs(host: ModelHost, shared: prefix_sharing.SharedPrefix, rows:
     prefix_targets = torch.from_numpy(np.stack([_targets(r)[:n] for r in rows])).to(host.device)
     return torch.cat([token_logprobs(shared.logits, prefix_targets, which),
                       token_logprobs(shared.remainder_logits(ids, attention, which), targets)], dim=1)
-
-
-def micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
-    """Group datums of similar length so that (rows x longest) stays within the token budget."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    batches: list[list[int]] = []
-    current: list[int] = []
-    for index in order:
-        longest = max([lengths[i] for i in current] + [lengths[index]])
-        if current and longest * (len(current) + 1) > budget:
-            batches.append(current)
-            current = []
-        current.append(index)
-    if current:
-        batches.append(current)
-    return batches
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:

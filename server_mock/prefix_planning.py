@@ -1,5 +1,5 @@
-"""Which datums of a forward/backward call share a prompt prefix, and how their prefix and remainder passes are
-batched within the token budget."""
+"""How a forward/backward call's datums are batched within the token budget: micro-batches of whole datums, and
+which datums share a prompt prefix and how their prefix and remainder passes are batched."""
 
 from __future__ import annotations
 
@@ -7,7 +7,32 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["PrefixBatch", "PrefixGroup", "batch_groups", "chunk_batch", "find_groups"]
+__all__ = ["PrefixBatch", "PrefixGroup", "batch_groups", "chunk_batch", "find_groups", "micro_batches", "shared_budget"]
+
+
+def micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
+    """Group datums of similar length so that (rows x longest) stays within the token budget."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for index in order:
+        longest = max([lengths[i] for i in current] + [lengths[index]])
+        if current and longest * (len(current) + 1) > budget:
+            batches.append(current)
+            current = []
+        current.append(index)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def shared_budget(lengths: list[int], budget: int) -> int:
+    """The tokens a prefix-shared pass may hold at once (its prompts plus a chunk of remainders): the padded
+    tokens of the largest micro-batch the unshared path would run on the same datums, so sharing never peaks
+    higher in memory than running every datum in full."""
+    if not lengths:
+        return budget
+    return max(len(b) * max(lengths[i] for i in b) for b in micro_batches(lengths, budget))
 
 
 @dataclass(frozen=True)
