@@ -1,10 +1,11 @@
-"""Step time of the sync recipe vs the async recipe on the same configuration (batch 4 x group 8).
+"""Step time of the sync recipe vs the async recipe on the same configuration (batch 4 x group 8), with the
+worker's prefix-shared training on (its default) and off.
 
-Both run against a worker started for this process; the async recipe's concurrent sample requests are
-decoded as one batch by the worker, the sync recipe's one after the other. Medians over steps 1.. (step 0
-includes loading the model).
+Each recipe runs against a worker started for this process (one per setting, so both recipes see the same
+worker); the async recipe's concurrent sample requests are decoded as one batch by the worker, the sync
+recipe's one after the other. Medians over steps 1.. (step 0 includes loading the model).
 
-    python benchmarks/recipe_step_time.py [--steps 4]
+    python benchmarks/recipe_step_time.py [--steps 4] [--settings shared,unshared]
 """
 
 from __future__ import annotations
@@ -17,36 +18,61 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "recipes"))
-from benchmarks.common import RESULTS, SMOLLM2, median, save  # noqa: E402
+from benchmarks.common import SMOLLM2, median, save  # noqa: E402
+
+SETTINGS = {"shared": (), "unshared": ("--prefix-share-min-tokens", "0")}  # worker options per setting
+RECIPES = {"sync": "01-demo-sync.py", "async": "02-demo-async.py"}
 
 
-def run(script: str, args) -> list[dict]:
+def run(script: str, args, worker, tag: str) -> list[dict]:
     spec = importlib.util.spec_from_file_location(script.replace("-", "_"), ROOT / "recipes" / script)
     demo = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(demo)
     summary = demo.main([
         "--base-model", args.model, "--dataset", "arithmetic", "--steps", str(args.steps), "--batch-size", "4",
         "--group-size", "8", "--max-tokens", "40", "--learning-rate", "2e-4", "--lora-rank", "16",
-        "--seed", "0", "--log-dir", str(RESULTS / f"steps-{script}"),
+        "--seed", "0", "--eval-every", "0", "--swanlab-mode", "disabled",
+        "--base-url", worker.base_url, "--api-key", worker.api_key,
+        "--log-dir", str(Path(args.log_root) / f"steps-{tag}-{script}"),
     ])
     return summary["history"]
 
 
+def split(history: list[dict]) -> dict[str, float]:
+    keys = sorted({k for row in history for k in row if k.startswith(("time/", "worker/"))})
+    return {k: median([row.get(k, 0.0) for row in history[1:]]) for k in keys}
+
+
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__)
+    from pytrio_compat.embedded import EmbeddedWorker
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=SMOLLM2)
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--settings", default="shared,unshared", help=f"comma-separated, from {sorted(SETTINGS)}")
+    parser.add_argument("--log-root", default="/tmp/recipe_step_time")
     args = parser.parse_args(argv)
-    sync = run("01-demo-sync.py", args)
-    async_ = run("02-demo-async.py", args)
-    keys = sorted({k for row in sync + async_ for k in row if k.startswith(("time/", "worker/"))})
-
-    def split(history):
-        return {k: median([row.get(k, 0.0) for row in history[1:]]) for k in keys}
-
-    result = {"sync": split(sync), "async": split(async_),
-              "async_over_sync_step_time": split(async_)["time/step"] / split(sync)["time/step"],
-              "async_over_sync_sample_time": split(async_)["time/sample"] / split(sync)["time/sample"]}
+    settings = [s for s in args.settings.split(",") if s]
+    unknown = sorted(set(settings) - set(SETTINGS))
+    if unknown or args.steps < 2:
+        parser.error(f"unknown settings {unknown}" if unknown else "--steps must be >= 2 (step 0 is not timed)")
+    result: dict = {}
+    for setting in settings:
+        worker = EmbeddedWorker(SETTINGS[setting])
+        try:
+            for name, script in RECIPES.items():
+                result.setdefault(setting, {})[name] = split(run(script, args, worker, setting))
+        finally:
+            worker.stop()
+        one = result[setting]
+        one["async_over_sync_step_time"] = one["async"]["time/step"] / one["sync"]["time/step"]
+        one["async_over_sync_sample_time"] = one["async"]["time/sample"] / one["sync"]["time/sample"]
+        print(f"{setting}: sync step {one['sync']['time/step']:.1f} s, async step {one['async']['time/step']:.1f} s "
+              f"(train {one['sync']['time/train']:.1f} / {one['async']['time/train']:.1f} s)", flush=True)
+    if {"shared", "unshared"} <= set(result):
+        result["shared_over_unshared"] = {
+            f"{name}/{key}": result["shared"][name][key] / result["unshared"][name][key]
+            for name in RECIPES for key in ("time/step", "time/train")}
     save("recipe_step_time", result)
     return result
 
