@@ -12,7 +12,8 @@ machine shared with other work). Two shapes:
 
 Also reported: the arithmetic (tokens through the model, padded, and the forward+backward GFLOP they imply),
 a torch.profiler breakdown of one call of each path, and the peak memory of one call of the shared and the
-unshared path, each in its own process (the rise of its resident set while the call runs, sampled every 20 ms).
+unshared path, each in its own process: the rise of its resident set and of the bytes its C allocator has handed
+out (glibc ``mallinfo2``) while the call runs.
 
     python benchmarks/prefix_shared_training.py [--repeats 2] [--gsm8k-groups 2] [--memory-shapes demo,gsm8k]
         [--profile-shapes demo]
@@ -21,10 +22,12 @@ unshared path, each in its own process (the rise of its resident set while the c
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -152,20 +155,60 @@ def profile(host, adapter, data, mode: str, top: int = 8) -> dict:
             "top_ops": [(e.key, round(e.self_cpu_time_total / 1e6, 3), e.count) for e in ranked]}
 
 
+class PeakHeap:
+    """Bytes the C allocator has handed out and not taken back (glibc ``mallinfo2``: heap + mmapped blocks),
+    sampled every 5 ms; ``peak - start`` is what a call holds at its height, whatever the allocator keeps cached
+    or how fragmented its arenas are (which the resident set also counts)."""
+
+    class _Info(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                          "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    def __init__(self) -> None:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = self._Info
+        self._mallinfo = libc.mallinfo2
+        self.start = self.peak = self._in_use()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _in_use(self) -> int:
+        info = self._mallinfo()
+        return info.uordblks + info.hblkhd
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._in_use())
+            time.sleep(0.005)
+
+    def __enter__(self) -> "PeakHeap":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    @property
+    def rise_mb(self) -> float:
+        return (self.peak - self.start) / 2**20
+
+
 def memory_child(shape: str, mode: str, gsm8k_groups: int) -> None:
-    """In its own process: one warm-up call, then the resident-set rise during one more call."""
+    """In its own process: one warm-up call, then the rise of the resident set and of the allocated heap during
+    one more call."""
     host, adapter = load_host()
     data = make_batch(shape, host.tokenizer, host.vocab_size, gsm8k_groups)
     call(host, adapter, data, mode)
-    with PeakRSS(os.getpid()) as mem:
+    with PeakRSS(os.getpid()) as rss, PeakHeap() as heap:
         call(host, adapter, data, mode)
-    print(json.dumps({"rise_mb": mem.rise_mb}))
+    print(json.dumps({"rss_rise_mb": rss.rise_mb, "heap_rise_mb": heap.rise_mb}))
 
 
-def measure_memory(shape: str, mode: str, gsm8k_groups: int) -> float:
+def measure_memory(shape: str, mode: str, gsm8k_groups: int) -> dict[str, float]:
     out = subprocess.run([sys.executable, __file__, "--memory-child", shape, mode, "--gsm8k-groups",
                           str(gsm8k_groups)], capture_output=True, text=True, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])["rise_mb"]
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 MODES = ("shared", "unshared", "peft_loop")
@@ -216,7 +259,8 @@ def main(argv=None) -> dict:
         if shape in args.profile_shapes.split(","):
             entry["profile"] = {m: profile(host, adapter, data, m) for m in ("shared", "unshared")}
         if shape in args.memory_shapes.split(","):
-            entry["peak_rss_rise_mb"] = {m: measure_memory(shape, m, args.gsm8k_groups) for m in ("shared", "unshared")}
+            entry["peak_memory_rise_mb"] = {m: measure_memory(shape, m, args.gsm8k_groups)
+                                            for m in ("shared", "unshared")}
         results["shapes"][shape] = entry
         print(json.dumps({shape: {k: v for k, v in entry.items() if k != "runs"}}, indent=1), flush=True)
     save("prefix_shared_training", results)
