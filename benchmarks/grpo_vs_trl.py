@@ -84,9 +84,9 @@ def run_ours(args) -> dict:
         "--base-model", args.model, "--dataset", "arithmetic", "--steps", str(args.steps),
         "--batch-size", str(args.batch), "--group-size", str(args.group), "--max-tokens", str(args.max_tokens),
         "--learning-rate", str(args.learning_rate), "--lora-rank", str(args.rank), "--seed", str(args.seed),
-        "--log-dir", str(RESULTS / "ours-run"), "--no-train-unembed",
+        "--log-dir", str(RESULTS / "ours-run"), "--no-train-unembed", "--eval-every", "0",  # TRL evaluates nothing
     ])
-    history = summary["history"]
+    history = [row for row in summary["history"] if "time/step" in row]  # training steps only
     return {"step_s": [row["time/step"] for row in history], "reward": [row["reward"] for row in history]}
 
 
