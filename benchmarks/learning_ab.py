@@ -247,11 +247,17 @@ def plot(by_arm: dict[str, list[dict]], path: Path) -> None:
             ax_eval.plot(steps, [rec["eval"][str(s)] for s in steps], color=color, alpha=0.25)
             ax_reward.plot(rec["rewards"], color=color, alpha=0.15)
         s = summarize(recs)
-        ax_eval.plot(list(s["eval_curve"]), list(s["eval_curve"].values()), color=color, marker="o",
-                     label=f"{arm} (n={len(recs)}, gain {s['gain_mean']:+.2f})")
-        ax_reward.plot(s["reward_curve"], color=color, label=arm)
-    ax_eval.set_title("greedy held-out accuracy (thin: seeds, bold: mean)")
-    ax_reward.set_title("sampled reward per step (thin: seeds, bold: mean)")
+        steps = list(s["eval_curve"])
+        at = [[rec["eval"][str(k)] for rec in recs if str(k) in rec["eval"]] for k in steps]
+        ax_eval.fill_between(steps, [min(v) for v in at], [max(v) for v in at], color=color, alpha=0.12)
+        ax_eval.plot(steps, list(s["eval_curve"].values()), color=color, marker="o",
+                     label=f"{arm} (n={len(recs)}, gain {s['gain_mean']:+.2f} ± {s['gain_std']:.2f})")
+        window = 5
+        mean = s["reward_curve"]
+        smooth = [statistics.mean(mean[max(0, k - window + 1):k + 1]) for k in range(len(mean))]
+        ax_reward.plot(smooth, color=color, linewidth=2, label=f"{arm}: mean over seeds, moving average of {window}")
+    ax_eval.set_title("greedy held-out accuracy (band: range over seeds, line: mean)")
+    ax_reward.set_title("sampled reward per step (thin: each seed)")
     for ax in (ax_eval, ax_reward):
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)

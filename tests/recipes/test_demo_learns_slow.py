@@ -25,9 +25,11 @@ def test_arithmetic_demo_raises_heldout_accuracy(load_demo, tmp_path, monkeypatc
     before, after = accuracy[0], accuracy[-1]
     early, late = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     print(f"held-out greedy accuracy: {before:.2f} -> {after:.2f}; sampled reward {early:.2f} -> {late:.2f}")
-    # Measured (seed 0): reward 0.24 -> 0.57 and accuracy 0.52 -> 0.60 on the earlier 50-problem set; on the
-    # 200-problem set seed 0 went 0.43 -> 0.695 (+0.265) and reward 0.24 -> 0.57 (docs/benchmarks.md). The
-    # accuracy margin leaves about three standard errors (0.05) of a 200-problem difference below that.
-    assert late - early >= 0.15, rewards
+    # Measured on 200 held-out problems (docs/benchmarks.md): seeds 0, 1, 2 gained +0.265, +0.25, +0.305
+    # (mean +0.273 +- 0.028); seed 0's sampled reward went 0.24 -> 0.57. A machine whose float rounding differs
+    # draws other samples, so its run is a fresh draw; one 200-problem before/after difference has a standard
+    # error of about 0.05, and +0.12 sits about 2.5 of them below the smallest seed's gain. The sampled reward
+    # (32 samples a step) is no test of learning for one run: seed 1's went 0.49 -> 0.43 while its held-out
+    # accuracy rose by 0.25, so it is printed, not asserted.
     assert after - before >= 0.12, accuracy
     assert (tmp_path / "run" / "curves.png").stat().st_size > 0
