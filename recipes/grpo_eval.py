@@ -12,8 +12,19 @@ from grpo_grading import grade
 from grpo_prompts import FEWSHOT_PREFIX, completion_text, render_prompt, stop_sequences
 
 
+def _prompts(tokenizer: Any, rows: Sequence[dict], fewshot: Sequence[dict]) -> list[trio.ModelInput]:
+    if not rows:
+        raise ValueError("evaluate needs at least one row")
+    return [trio.ModelInput.from_ints(render_prompt(tokenizer, row["question"], fewshot)) for row in rows]
+
+
 def _greedy_params(tokenizer: Any, max_tokens: int) -> trio.SamplingParams:
     return trio.SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=stop_sequences(tokenizer))
+
+
+def _accuracy(tokenizer: Any, results: Sequence[Any], rows: Sequence[dict]) -> float:
+    scores = [grade(completion_text(tokenizer, res.sequences[0]), row["answer"]) for res, row in zip(results, rows)]
+    return sum(scores) / len(scores)
 
 
 def evaluate(
@@ -21,17 +32,10 @@ def evaluate(
     fewshot: Sequence[dict] = FEWSHOT_PREFIX,
 ) -> float:
     """Fraction of `rows` answered correctly with greedy decoding (all requests submitted, then awaited)."""
-    if not rows:
-        raise ValueError("evaluate needs at least one row")
     params = _greedy_params(tokenizer, max_tokens)
-    futures = [
-        sampling_client.sample(prompt=trio.ModelInput.from_ints(render_prompt(tokenizer, row["question"], fewshot)),
-                               num_samples=1, sampling_params=params)
-        for row in rows
-    ]
-    scores = [grade(completion_text(tokenizer, fut.result().sequences[0]), row["answer"])
-              for fut, row in zip(futures, rows)]
-    return sum(scores) / len(scores)
+    futures = [sampling_client.sample(prompt=p, num_samples=1, sampling_params=params)
+               for p in _prompts(tokenizer, rows, fewshot)]
+    return _accuracy(tokenizer, [fut.result() for fut in futures], rows)
 
 
 async def evaluate_async(
@@ -39,17 +43,10 @@ async def evaluate_async(
     fewshot: Sequence[dict] = FEWSHOT_PREFIX,
 ) -> float:
     """`evaluate` with `asyncio.gather` over `sample_async`."""
-    if not rows:
-        raise ValueError("evaluate needs at least one row")
     params = _greedy_params(tokenizer, max_tokens)
-    results = await asyncio.gather(*(
-        sampling_client.sample_async(
-            prompt=trio.ModelInput.from_ints(render_prompt(tokenizer, row["question"], fewshot)),
-            num_samples=1, sampling_params=params)
-        for row in rows
-    ))
-    scores = [grade(completion_text(tokenizer, res.sequences[0]), row["answer"]) for res, row in zip(results, rows)]
-    return sum(scores) / len(scores)
+    results = await asyncio.gather(*(sampling_client.sample_async(prompt=p, num_samples=1, sampling_params=params)
+                                     for p in _prompts(tokenizer, rows, fewshot)))
+    return _accuracy(tokenizer, results, rows)
 
 
 def should_eval(args: argparse.Namespace, step: int) -> bool:
