@@ -16,8 +16,9 @@ AUTH = {"Authorization": f"Bearer {KEY_A}"}
 
 
 def raw_request(method: str, path: str, body: bytes = b"", declared_length: int | None = None) -> bytes:
+    length = len(body) if declared_length is None else declared_length
     head = [f"{method} {path} HTTP/1.1", "Host: 127.0.0.1", f"Authorization: Bearer {KEY_A}",
-            "Content-Type: application/json", f"Content-Length: {len(body) if declared_length is None else declared_length}"]
+            "Content-Type: application/json", f"Content-Length: {length}"]
     return ("\r\n".join(head) + "\r\n\r\n").encode() + body
 
 
