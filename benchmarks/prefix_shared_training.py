@@ -22,12 +22,10 @@ out (glibc ``mallinfo2``) while the call runs.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -36,7 +34,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import SMOLLM2, few_shot_prompt, median, save  # noqa: E402
-from benchmarks.train_throughput import PeakRSS, peft_baseline  # noqa: E402
+from benchmarks.peak_memory import PeakHeap, PeakRSS  # noqa: E402
+from benchmarks.train_throughput import peft_baseline  # noqa: E402
 
 QUESTIONS = ("What is 36 + 47?", "What is 12 + 85?", "What is 64 + 29?", "What is 53 + 18?")
 RANK = 16
@@ -153,45 +152,6 @@ def profile(host, adapter, data, mode: str, top: int = 8) -> dict:
     ranked = sorted(events, key=lambda e: -e.self_cpu_time_total)[:top]
     return {"total_s": total / 1e6, "share": {k: round(v / total, 3) for k, v in split.items()},
             "top_ops": [(e.key, round(e.self_cpu_time_total / 1e6, 3), e.count) for e in ranked]}
-
-
-class PeakHeap:
-    """Bytes the C allocator has handed out and not taken back (glibc ``mallinfo2``: heap + mmapped blocks),
-    sampled every 5 ms; ``peak - start`` is what a call holds at its height, whatever the allocator keeps cached
-    or how fragmented its arenas are (which the resident set also counts)."""
-
-    class _Info(ctypes.Structure):
-        _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                          "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-    def __init__(self) -> None:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallinfo2.restype = self._Info
-        self._mallinfo = libc.mallinfo2
-        self.start = self.peak = self._in_use()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _in_use(self) -> int:
-        info = self._mallinfo()
-        return info.uordblks + info.hblkhd
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self._in_use())
-            time.sleep(0.005)
-
-    def __enter__(self) -> "PeakHeap":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    @property
-    def rise_mb(self) -> float:
-        return (self.peak - self.start) / 2**20
 
 
 def memory_child(shape: str, mode: str, gsm8k_groups: int) -> None:

@@ -12,43 +12,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-import threading
-import time
 from pathlib import Path
 
 import numpy as np
-import psutil
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import SMOLLM2, median, save, timer  # noqa: E402
-
-
-class PeakRSS:
-    """Samples a process's resident set size every 20 ms; ``peak - start`` is the rise."""
-
-    def __init__(self, pid: int) -> None:
-        self.proc = psutil.Process(pid)
-        self.start = self.peak = self.proc.memory_info().rss
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self.proc.memory_info().rss)
-            time.sleep(0.02)
-
-    def __enter__(self) -> "PeakRSS":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    @property
-    def rise_mb(self) -> float:
-        return (self.peak - self.start) / 2**20
+from benchmarks.peak_memory import PeakRSS  # noqa: E402
 
 
 def make_batch(n: int, prompt: int, completion: int, vocab: int, seed: int = 0):
