@@ -107,20 +107,17 @@ def arithmetic(host, data) -> dict:
     per_token = 2 * (layers * (2 * h * h + 2 * h * kv + 3 * h * inter) + h * config.vocab_size)  # forward matmuls
     lengths = [len(d["tokens"]) for d in data]
     padded_full = sum(len(b) * max(lengths[i] for i in b) for b in micro_batches(lengths, MICRO_BATCH_TOKENS))
-    groups = prefix_planning.find_groups([d["tokens"] for d in data], host.options.prefix_share_min_tokens)
+    passes = prefix_planning.plan([d["tokens"] for d in data], MICRO_BATCH_TOKENS,
+                                  host.options.prefix_share_min_tokens)  # what the worker runs
+    groups = [g for batch, _ in passes.shared for g in batch.groups]
     shared = padded_shared = 0
-    grouped = set()
-    held = prefix_planning.shared_budget(lengths, MICRO_BATCH_TOKENS)  # the shared path's tokens at once
-    for batch in prefix_planning.batch_groups(groups, held):
+    for batch, chunks in passes.shared:
         prompts, n = len(batch.groups), batch.prefix_len
-        members = [i for i, _ in batch.rows()]
-        grouped |= set(members)
-        shared += prompts * n + sum(lengths[i] - n for i in members)
-        padded_shared += prompts * n + sum(len(c) * (max(lengths[i] for i, _ in c) - n)
-                                           for c in prefix_planning.chunk_batch(batch, lengths, held))
-    rest = [lengths[i] for i in range(len(data)) if i not in grouped]
-    shared += sum(rest)
-    padded_shared += sum(len(b) * max(rest[i] for i in b) for b in micro_batches(rest, MICRO_BATCH_TOKENS))
+        shared += prompts * n + sum(lengths[i] - n for i, _ in batch.rows())
+        padded_shared += prompts * n + sum(len(c) * (max(lengths[i] for i, _ in c) - n) for c in chunks)
+    for b in passes.rest:
+        shared += sum(lengths[i] for i in b)
+        padded_shared += len(b) * max(lengths[i] for i in b)
     # backward through frozen base weights costs about one more forward (input gradients only, LoRA is tiny)
     gflop = lambda tokens: 2 * per_token * tokens / 1e9  # noqa: E731
     return {"datums": len(data), "groups": [(g.prefix_len, len(g.members)) for g in groups],

@@ -21,28 +21,21 @@ def run_forward_backward(host: ModelHost, data: list[dict[str, np.ndarray]], los
     """Per-datum logprobs and losses of ``data`` with the host's active adapter; with ``backward`` the
     summed loss's gradient accumulates. Datums sharing a prompt prefix run it once (prefix_sharing.py)."""
     results = _Results(data, loss_fn, config, host.device)
-    lengths = [len(d["tokens"]) for d in data]
-    budget = host.options.micro_batch_tokens
-    groups = []
-    if host.prefix_sharing:
-        groups = prefix_planning.find_groups([d["tokens"] for d in data], host.options.prefix_share_min_tokens)
-    shared_budget = prefix_planning.shared_budget(lengths, budget)
+    passes = prefix_planning.plan([d["tokens"] for d in data], host.options.micro_batch_tokens,
+                                  host.options.prefix_share_min_tokens if host.prefix_sharing else 0)
     with torch.set_grad_enabled(backward):
-        for batch in prefix_planning.batch_groups(groups, shared_budget):
+        for batch, chunks in passes.shared:
             prompts = np.stack([data[g.members[0]]["tokens"][:batch.prefix_len] for g in batch.groups])
             shared = prefix_sharing.SharedPrefix(partial(host.logits, host.peft), host.model.config,
                                                  host.cache_kwarg, torch.from_numpy(prompts).to(host.device))
-            for chunk in prefix_planning.chunk_batch(batch, lengths, shared_budget):
+            for chunk in chunks:
                 indices = [i for i, _ in chunk]
                 which = torch.tensor([row for _, row in chunk], device=host.device)
                 results.add(indices, _shared_logprobs(host, shared, [data[i] for i in indices], which), backward)
             if backward:
                 shared.backward()
             del shared
-        grouped = {i for g in groups for i in g.members}
-        rest = [i for i in range(len(data)) if i not in grouped]
-        for batch in prefix_planning.micro_batches([lengths[i] for i in rest], budget):
-            batch = [rest[i] for i in batch]
+        for batch in passes.rest:
             results.add(batch, _target_logprobs(host, [data[i] for i in batch]), backward)
     return results.summary()
 

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["PrefixBatch", "PrefixGroup", "batch_groups", "chunk_batch", "find_groups", "micro_batches", "shared_budget"]
+__all__ = ["Plan", "PrefixBatch", "PrefixGroup", "batch_groups", "chunk_batch", "find_groups", "micro_batches", "plan",
+           "shared_budget"]
 
 
 def micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
@@ -125,3 +126,23 @@ def chunk_batch(batch: PrefixBatch, lengths: list[int], budget: int) -> list[lis
         chunks.append(current)
     return chunks
 
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The passes of one forward/backward call: each prefix pass with its chunks of (datum, prefix row), then the
+    micro-batches of datums run in full."""
+
+    shared: list[tuple[PrefixBatch, list[list[tuple[int, int]]]]]
+    rest: list[list[int]]
+
+
+def plan(sequences: list[np.ndarray], budget: int, min_tokens: int) -> Plan:
+    """How to run ``sequences`` within ``budget`` padded tokens, sharing prefixes of >= ``min_tokens`` (0: never)."""
+    lengths = [len(s) for s in sequences]
+    groups = find_groups(sequences, min_tokens)
+    held = shared_budget(lengths, budget) if groups else budget
+    shared = [(batch, chunk_batch(batch, lengths, held)) for batch in batch_groups(groups, held)]
+    grouped = {i for g in groups for i in g.members}
+    rest = [i for i in range(len(sequences)) if i not in grouped]
+    return Plan(shared, [[rest[i] for i in b] for b in micro_batches([lengths[i] for i in rest], budget)])

@@ -71,15 +71,11 @@ def test_prompts_of_similar_length_share_one_prefix_pass():
     assert chunks == [[(0, 0), (1, 0)], [(4, 1)], [(5, 1)]]  # 230 - 2 x 95 = 40 padded tokens per chunk
 
 
-def _held_tokens(lengths, groups, budget):
-    """The most tokens the shared path holds at once: a prefix pass's prompts plus one chunk of remainders."""
-    held = prefix_planning.shared_budget(lengths, budget)
-    most = 0
-    for batch in prefix_planning.batch_groups(groups, held):
-        prompts = len(batch.groups) * batch.prefix_len
-        for chunk in prefix_planning.chunk_batch(batch, lengths, held):
-            most = max(most, prompts + len(chunk) * (max(lengths[i] for i, _ in chunk) - batch.prefix_len))
-    return most
+def _held_tokens(seqs, budget):
+    """The most tokens the worker's plan holds at once in a shared pass: its prompts plus one chunk of remainders."""
+    lengths = [len(s) for s in seqs]
+    return max(len(batch.groups) * batch.prefix_len + len(c) * (max(lengths[i] for i, _ in c) - batch.prefix_len)
+               for batch, chunks in prefix_planning.plan(seqs, budget, 32).shared for c in chunks)
 
 
 @pytest.mark.parametrize("prompt, completions, groups_of", [(150, (200, 300), 2), (157, (10, 30), 4),
@@ -92,10 +88,10 @@ def test_shared_passes_hold_no_more_tokens_than_the_unshared_micro_batches(promp
         head = rng.integers(3, 500, prompt)
         seqs += [np.concatenate([head, rng.integers(3, 500, int(rng.integers(*completions)))]) for _ in range(8)]
     lengths = [len(s) for s in seqs]
-    groups = prefix_planning.find_groups(seqs, min_tokens=32)
-    assert sum(len(g.members) for g in groups) == len(seqs)
+    passes = prefix_planning.plan(seqs, 2048, 32)
+    assert not passes.rest and sorted(i for b, _ in passes.shared for i, _ in b.rows()) == list(range(len(seqs)))
     unshared_peak = max(len(b) * max(lengths[i] for i in b) for b in prefix_planning.micro_batches(lengths, 2048))
-    assert _held_tokens(lengths, groups, 2048) <= unshared_peak
+    assert _held_tokens(seqs, 2048) <= unshared_peak
 
 
 # --- exactness ------------------------------------------------------------------------------------------------
