@@ -50,7 +50,7 @@ def make_model(folder: Path, arch: str, size: str) -> tuple[int, int]:
     import transformers
     from transformers import AutoModelForCausalLM
 
-    from server_mock.tiny_model import build_tiny_tokenizer
+    from server_mock.engine.tiny_model import build_tiny_tokenizer
 
     class_name, full, tiny = ARCHS[arch][:3]
     config = getattr(transformers, class_name)(**(full if size == "full" else tiny))

@@ -26,13 +26,13 @@ from benchmarks.common import RESULTS, SMOLLM2, median, save  # noqa: E402
 def run_trl(args, rows) -> dict:
     import torch
     from datasets import Dataset
+    from grpo_lib import FEWSHOT, build_messages, grade
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from grpo_lib import FEWSHOT, build_messages, grade
-    from server_mock.model_loading import resolve_source
-    from server_mock.training import LORA_ALPHA, linear_groups
+    from server_mock.engine.loading import resolve_source
+    from server_mock.lora import LORA_ALPHA, linear_groups
 
     source = resolve_source(args.model)
     tokenizer = AutoTokenizer.from_pretrained(source)

@@ -80,7 +80,7 @@ class PlainLoop:
         from peft import LoraConfig, get_peft_model
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from server_mock.model_loading import resolve_source  # only to find the local copy of the weights
+        from server_mock.engine.loading import resolve_source
 
         source = resolve_source(args.model)
         self.tok = AutoTokenizer.from_pretrained(source)
@@ -145,8 +145,17 @@ class PlainLoop:
 
 
 def run_plain(args, seed: int) -> dict:
-    from grpo_lib import FEWSHOT, batch_rows, grade, group_advantages, is_degenerate, load_rows, render_prompt
-    from grpo_lib import sample_seed, shuffle_rows
+    from grpo_lib import (
+        FEWSHOT,
+        batch_rows,
+        grade,
+        group_advantages,
+        is_degenerate,
+        load_rows,
+        render_prompt,
+        sample_seed,
+        shuffle_rows,
+    )
 
     loop = PlainLoop(args, seed)
 
@@ -290,9 +299,21 @@ def run_probe(args, seed: int = 0) -> dict:
     advantage (> 0: good completions up, bad ones down); drift: mean |change| of the logprob of the base
     model's greedy answers to held-out problems (positions the update had no reason to touch).
     """
+    from grpo_lib import (
+        FEWSHOT,
+        batch_rows,
+        build_datum,
+        grade,
+        group_advantages,
+        is_degenerate,
+        load_rows,
+        render_prompt,
+        sample_seed,
+        shuffle_rows,
+        stop_sequences,
+    )
+
     import pytrio_compat as trio
-    from grpo_lib import FEWSHOT, batch_rows, build_datum, grade, group_advantages, is_degenerate, load_rows
-    from grpo_lib import render_prompt, sample_seed, shuffle_rows, stop_sequences
     from pytrio_compat.embedded import EmbeddedWorker
 
     worker = EmbeddedWorker()

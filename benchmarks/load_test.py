@@ -118,7 +118,7 @@ def run_client(base_url: str, api_key: str, model: str, index: int, iterations: 
 
 
 def state_bytes(storage: Path, path: str) -> dict[str, bytes]:
-    from server_mock.storage import CheckpointStore, parse_path
+    from server_mock.storage.checkpoints import CheckpointStore, parse_path
 
     return CheckpointStore(storage).fingerprint(parse_path(path))
 
@@ -134,7 +134,7 @@ def summarize(values: list[float]) -> dict:
 
 class LocalWorker:
     def __init__(self, threads: int) -> None:
-        from server_mock.tiny_model import make_tiny_model
+        from server_mock.engine.tiny_model import make_tiny_model
 
         self.dir = Path(tempfile.mkdtemp(prefix="pytrio-load-"))
         model = make_tiny_model(self.dir / "tiny")

@@ -33,8 +33,9 @@ def measure(source: str, device: str, dtype_name: str, float32_head: bool, autoc
     import torch
 
     from pytrio_compat.wire import LoraSpec
-    from server_mock.sampling import SampleSpec, generate_batch
-    from server_mock.training import ModelHost, TrainOptions
+    from server_mock.config import TrainOptions
+    from server_mock.engine.host import ModelHost
+    from server_mock.sampling.generate import SampleSpec, generate_batch
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name]
     host = ModelHost("m", source, device, dtype, options=TrainOptions(float32_head=float32_head,
@@ -71,7 +72,7 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "precision_gap.json"))
     args = parser.parse_args(argv)
-    from server_mock.model_loading import resolve_source
+    from server_mock.engine.loading import resolve_source
 
     source = resolve_source(args.model)
     rows = []

@@ -43,7 +43,8 @@ RANK = 16
 
 def load_host():
     from pytrio_compat.wire import LoraSpec
-    from server_mock.training import ModelHost, TrainOptions
+    from server_mock.config import TrainOptions
+    from server_mock.engine.host import ModelHost
 
     host = ModelHost("smol", SMOLLM2, "cpu", torch.float32, 8192, TrainOptions())
     adapter = host.create_adapter("bench", LoraSpec(rank=RANK, seed=0))
@@ -82,7 +83,7 @@ def as_rows(data):
 
 def call(host, adapter, data, mode: str) -> float:
     """One forward_backward of ``data`` on ``mode``'s path; returns the summed loss. Gradients are dropped after."""
-    from server_mock.training import MICRO_BATCH_TOKENS
+    from server_mock.config import MICRO_BATCH_TOKENS
 
     if mode == "peft_loop":
         host._activate(adapter)
@@ -97,9 +98,9 @@ def call(host, adapter, data, mode: str) -> float:
 
 def arithmetic(host, data) -> dict:
     """Tokens each path runs through the model (real and padded) and the forward+backward GFLOP they imply."""
-    from server_mock import prefix_planning
-    from server_mock.prefix_planning import micro_batches
-    from server_mock.training import MICRO_BATCH_TOKENS
+    from server_mock.config import MICRO_BATCH_TOKENS
+    from server_mock.training import prefix_planning
+    from server_mock.training.prefix_planning import micro_batches
 
     config = host.model.config
     h, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers

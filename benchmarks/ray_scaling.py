@@ -122,11 +122,11 @@ def main() -> None:
         tmp = Path(tmp)
         model = args.model
         if model == "tiny":
-            from server_mock.tiny_model import make_tiny_model
+            from server_mock.engine.tiny_model import make_tiny_model
 
             model = str(make_tiny_model(tmp / "tiny"))
         elif not Path(model).is_dir():
-            from server_mock.model_loading import resolve_source
+            from server_mock.engine.loading import resolve_source
 
             model = resolve_source(model)
         out = {"model": args.model, "batch": "4 prompts x 8 samples", "max_tokens": args.max_tokens}

@@ -43,7 +43,7 @@ def main(argv=None) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import pytrio_compat as trio
-    from server_mock.model_loading import resolve_source
+    from server_mock.engine.loading import resolve_source
 
     source = resolve_source(args.model)
     tokenizer = AutoTokenizer.from_pretrained(source)

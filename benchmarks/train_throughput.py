@@ -86,8 +86,9 @@ def main(argv=None) -> dict:
     from transformers import AutoModelForCausalLM
 
     import pytrio_compat as trio
-    from server_mock.model_loading import resolve_source
-    from server_mock.training import LORA_ALPHA, MICRO_BATCH_TOKENS, linear_groups
+    from server_mock.config import MICRO_BATCH_TOKENS
+    from server_mock.engine.loading import resolve_source
+    from server_mock.lora import LORA_ALPHA, linear_groups
 
     source = resolve_source(args.model)
     base = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()

@@ -12,7 +12,6 @@ from pathlib import Path
 
 from grpo_options import DATASETS
 
-
 HUB_HINT = (
     "Pass --data-file with a local copy instead: a folder with train/test .jsonl or .parquet files "
     "(e.g. --data-file ../shared/data/gsm8k), or a single .jsonl/.parquet file with question/answer columns."

@@ -7,9 +7,10 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
-import pytrio_compat as trio
 from grpo_grading import grade
 from grpo_prompts import FEWSHOT_PREFIX, completion_text, render_prompt, stop_sequences
+
+import pytrio_compat as trio
 
 
 def _prompts(tokenizer: Any, rows: Sequence[dict], fewshot: Sequence[dict]) -> list[trio.ModelInput]:

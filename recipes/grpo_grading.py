@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 from decimal import Decimal, InvalidOperation
 
-
 _BOXED = "\\boxed{"
 _FRAC = re.compile(r"^(-?)\\[dt]?frac\{(-?\d+)\}\{(-?\d+)\}$")
 

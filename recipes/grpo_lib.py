@@ -21,28 +21,66 @@ Conventions (the same as the PyTRIO / Tinker cookbook GRPO recipes):
 
 # ruff: noqa: F401 (re-exports)
 
-from grpo_options import (
-    LOSS_FNS, SWANLAB_MODES, DATASETS, build_arg_parser, resolve_log_dir, num_steps, sample_seed,
-    make_service_client, loss_fn_config, DATASET_DEFAULTS, RecipeArgParser,
-)
-from grpo_prompts import (
-    QUESTION_SUFFIX, FEWSHOT_PREFIX, ARITHMETIC_FEWSHOT_PREFIX, FEWSHOT, build_messages, render_prompt,
-    stop_sequences, completion_text,
-)
-from grpo_grading import (
-    extract_boxed, normalize_number, gsm8k_final_answer, grade, upstream_grade,
+from grpo_data import (
+    HUB_HINT,
+    DataUnavailableError,
+    _load_hub_gsm8k,
+    arithmetic_rows,
+    batch_rows,
+    eval_data_file,
+    load_rows,
+    shuffle_rows,
 )
 from grpo_datums import (
-    group_advantages, is_degenerate, build_datum, count_train_tokens, kl_sample_train, make_custom_cispo_loss,
+    build_datum,
+    count_train_tokens,
+    group_advantages,
+    is_degenerate,
+    kl_sample_train,
+    make_custom_cispo_loss,
     ratio_clip_fraction,
 )
-from grpo_data import (
-    HUB_HINT, DataUnavailableError, load_rows, eval_data_file, _load_hub_gsm8k, arithmetic_rows, shuffle_rows,
-    batch_rows,
+from grpo_eval import (
+    evaluate,
+    evaluate_async,
+    should_eval,
+)
+from grpo_grading import (
+    extract_boxed,
+    grade,
+    gsm8k_final_answer,
+    normalize_number,
+    upstream_grade,
 )
 from grpo_logging import (
-    StepStats, PLOTTED, REWARD_WINDOW, MetricsLogger, curve_lines, moving_average, plot_curves,
+    PLOTTED,
+    REWARD_WINDOW,
+    MetricsLogger,
+    StepStats,
+    curve_lines,
+    moving_average,
+    plot_curves,
 )
-from grpo_eval import (
-    evaluate, evaluate_async, should_eval,
+from grpo_options import (
+    DATASET_DEFAULTS,
+    DATASETS,
+    LOSS_FNS,
+    SWANLAB_MODES,
+    RecipeArgParser,
+    build_arg_parser,
+    loss_fn_config,
+    make_service_client,
+    num_steps,
+    resolve_log_dir,
+    sample_seed,
+)
+from grpo_prompts import (
+    ARITHMETIC_FEWSHOT_PREFIX,
+    FEWSHOT,
+    FEWSHOT_PREFIX,
+    QUESTION_SUFFIX,
+    build_messages,
+    completion_text,
+    render_prompt,
+    stop_sequences,
 )

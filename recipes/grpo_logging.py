@@ -11,9 +11,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import pytrio_compat as trio
 from grpo_datums import count_train_tokens, is_degenerate, kl_sample_train, ratio_clip_fraction
 from grpo_options import SWANLAB_MODES
+
+import pytrio_compat as trio
 
 
 class StepStats:

@@ -11,7 +11,6 @@ from typing import Any
 
 import pytrio_compat as trio
 
-
 LOSS_FNS = ("importance_sampling", "ppo", "cispo")
 SWANLAB_MODES = ("online", "local", "offline", "disabled")
 DATASETS = ("gsm8k", "arithmetic")

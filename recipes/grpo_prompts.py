@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-
 QUESTION_SUFFIX = " Provide a numerical answer without units, written inside \\boxed{}."
 FEWSHOT_PREFIX: list[dict[str, str]] = [
     {"role": "user", "content": "How many r's are in strawberry?" + QUESTION_SUFFIX},

@@ -1,3 +1,3 @@
-from .cli import main
+from server_mock.cli import main
 
 main()

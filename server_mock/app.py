@@ -15,12 +15,13 @@ from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.routing import BaseRoute
 
-from .browser_safety import BrowserGuard, HostPolicy
-from .http_common import Auth, Idempotency
-from .openai_api import openai_routes
-from .routes import native_routes
-from .service import WorkerService
-from .tinker_api import tinker_routes
+from server_mock.api.auth import Auth
+from server_mock.api.browser_safety import BrowserGuard, HostPolicy
+from server_mock.api.native import native_routes
+from server_mock.api.native.endpoint import Idempotency
+from server_mock.api.openai.router import openai_routes
+from server_mock.api.tinker.router import tinker_routes
+from server_mock.service.worker import WorkerService
 
 
 def create_app(service: WorkerService, api_keys: list[str] | None = None, *, bind_host: str = "127.0.0.1",

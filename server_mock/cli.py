@@ -120,10 +120,10 @@ def serve(args: argparse.Namespace) -> None:
     import torch
     import uvicorn
 
-    from .app import create_app
-    from .model_loading import resolve_device, resolve_dtype
-    from .service import Limits, WorkerService
-    from .training import TrainOptions
+    from server_mock.app import create_app
+    from server_mock.config import Limits, TrainOptions
+    from server_mock.engine.loading import resolve_device, resolve_dtype
+    from server_mock.service.worker import WorkerService
 
     # Known, harmless library notices that would otherwise repeat on every adapter
     warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")
@@ -186,7 +186,7 @@ def serve(args: argparse.Namespace) -> None:
 def _join_cluster(args: argparse.Namespace):
     """The Ray cluster the models run on; exits naming the problem when it is unreachable or too small."""
     try:
-        from .cluster import ClusterConfig, ClusterError, connect
+        from server_mock.cluster import ClusterConfig, ClusterError, connect
     except ImportError as exc:
         sys.exit(f"--ray needs Ray: pip install -e '.[worker,cluster]' ({exc})")
     config = ClusterConfig(address=args.ray, sampler_replicas=args.sampler_replicas,
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "serve":
         serve(args)
     else:
-        from .tiny_model import make_tiny_model
+        from server_mock.engine.tiny_model import make_tiny_model
 
         path = make_tiny_model(args.directory, arch=args.arch, seed=args.seed)
         print(f"wrote a tiny random model and tokenizer to {path}")

@@ -20,7 +20,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
-    from server_mock.tiny_model import make_tiny_model
+    from server_mock.engine.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny-model"))
 

@@ -8,7 +8,7 @@ in place of the in-process ``ModelHost``; that proxy forwards sampling to sample
 Nothing here is imported unless the worker is started with ``--ray``.
 """
 
-from .config import ClusterConfig
-from .placement import Cluster, ClusterError, connect
+from server_mock.cluster.config import ClusterConfig
+from server_mock.cluster.placement import Cluster, ClusterError, connect
 
 __all__ = ["Cluster", "ClusterConfig", "ClusterError", "connect"]

@@ -17,10 +17,10 @@ import numpy as np
 import torch
 
 from pytrio_compat.wire import AdamParams, LoraSpec
-
-from ..errors import WorkerError
-from ..training import ModelHost, TrainOptions
-from . import data_parallel
+from server_mock.cluster import data_parallel
+from server_mock.config import TrainOptions
+from server_mock.engine.host import ModelHost
+from server_mock.errors import WorkerError
 
 
 @dataclass

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..errors import WorkerError
+from server_mock.errors import WorkerError
 
 
 def split_by_tokens(lengths: list[int], parts: int) -> list[list[int]]:

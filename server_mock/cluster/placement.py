@@ -7,7 +7,7 @@ import os
 import socket
 from pathlib import Path
 
-from .config import NAMESPACE, ClusterConfig
+from server_mock.cluster.config import NAMESPACE, ClusterConfig
 
 logger = logging.getLogger("server_mock")
 
@@ -97,7 +97,7 @@ class Cluster:
         self.hosts = []
 
     def model_host(self, name: str, source: str, device: str, dtype, max_seq_len, options):
-        from .remote_host import RemoteModelHost
+        from server_mock.cluster.remote_host import RemoteModelHost
 
         host = RemoteModelHost(self, name, source, dtype, max_seq_len, options)
         self.hosts.append(host)

@@ -17,13 +17,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..engine import ModelQueue
-from ..errors import WorkerError
-from ..storage import CheckpointStore
-from ..training import ModelHost, Snapshot, TrainOptions
-from . import data_parallel
-from .sampler_pool import SamplerPool
-from .trainer_group import GroupLost, TrainerGroup, raise_refusals
+from server_mock.cluster import data_parallel
+from server_mock.cluster.sampler_pool import SamplerPool
+from server_mock.cluster.trainer_group import GroupLost, TrainerGroup, raise_refusals
+from server_mock.config import TrainOptions
+from server_mock.engine.host import ModelHost
+from server_mock.engine.queue import ModelQueue
+from server_mock.errors import WorkerError
+from server_mock.lora import Snapshot
+from server_mock.storage.checkpoints import CheckpointStore
 
 logger = logging.getLogger("server_mock")
 
@@ -78,8 +80,8 @@ def _meta_model(source: str):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    from ..model_loading import resolve_source
-    from ..model_support import refuse
+    from server_mock.engine.loading import resolve_source
+    from server_mock.engine.support import refuse
 
     source = resolve_source(source)
     config = AutoConfig.from_pretrained(source)
@@ -102,7 +104,7 @@ class RemoteModelHost:
 
     def __init__(self, cluster, name: str, source: str, dtype: torch.dtype, max_seq_len: int | None,
                  options: TrainOptions) -> None:
-        from ..training import linear_groups
+        from server_mock.lora import linear_groups
 
         config = cluster.config
         self.cluster = cluster

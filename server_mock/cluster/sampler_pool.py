@@ -15,10 +15,10 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from ..errors import WorkerError
-from .actors import SamplerReplica
-from .config import NAMESPACE
-from .data_parallel import split_by_tokens
+from server_mock.cluster.actors import SamplerReplica
+from server_mock.cluster.config import NAMESPACE
+from server_mock.cluster.data_parallel import split_by_tokens
+from server_mock.errors import WorkerError
 
 logger = logging.getLogger("server_mock")
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from ..errors import WorkerError
-from .actors import Refusal, TrainerRank
-from .config import NAMESPACE
+from server_mock.cluster.actors import Refusal, TrainerRank
+from server_mock.cluster.config import NAMESPACE
+from server_mock.errors import WorkerError
 
 logger = logging.getLogger("server_mock")
 

@@ -101,7 +101,7 @@ def victim(service, worker):
 
 
 def final_weights(worker, tc) -> dict[str, bytes]:
-    from server_mock.storage import CheckpointStore, parse_path
+    from server_mock.storage.checkpoints import CheckpointStore, parse_path
 
     tc.optim_step(trio.AdamParams(learning_rate=1e-2)).result()
     path = tc.save_state("fingerprint", overwrite=True).result().path

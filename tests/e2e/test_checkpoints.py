@@ -6,10 +6,10 @@ import json
 
 import numpy as np
 import pytest
+from support import WorkerProcess
 
 import pytrio_compat as trio
-from server_mock.storage import CheckpointStore, parse_path
-from support import WorkerProcess
+from server_mock.storage.checkpoints import CheckpointStore, parse_path
 
 ADAM = trio.AdamParams(learning_rate=5e-3, weight_decay=0.01, grad_clip_norm=1.0)
 

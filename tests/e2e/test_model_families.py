@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import pytrio_compat as trio
-from server_mock.tiny_model import TINY_FAMILIES, make_tiny_model
+from server_mock.engine.tiny_model import TINY_FAMILIES, make_tiny_model
 
 pytestmark = pytest.mark.timeout(600)
 FAMILIES = [f for f in TINY_FAMILIES if f != "qwen2"]  # qwen2 is the default tiny model of every other test
@@ -64,7 +64,7 @@ def test_family_samples_trains_and_agrees(family_service, family):
 def test_smollm2_samples_trains_and_agrees(tmp_path):
     from support import WorkerProcess
 
-    from server_mock.model_loading import SMOLLM2_ID, resolve_source
+    from server_mock.engine.loading import SMOLLM2_ID, resolve_source
 
     proc = WorkerProcess(resolve_source(SMOLLM2_ID), tmp_path / "storage", model_name="smol").start()
     service = trio.ServiceClient(base_url=proc.base_url)

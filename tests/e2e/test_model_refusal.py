@@ -7,7 +7,7 @@ import torch
 import transformers
 
 import pytrio_compat as trio
-from server_mock.tiny_model import build_tiny_tokenizer
+from server_mock.engine.tiny_model import build_tiny_tokenizer
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -10,7 +10,7 @@ import pytest
 import tinker
 from tinker import types
 
-from server_mock.tiny_model import make_tiny_model
+from server_mock.engine.tiny_model import make_tiny_model
 
 pytestmark = pytest.mark.timeout(300)
 KEY = "qwen-key"

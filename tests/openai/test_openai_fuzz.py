@@ -108,7 +108,7 @@ class Tenant:
         return status["result"]
 
     def fingerprint(self, name: str) -> dict[str, bytes]:
-        from server_mock.storage import CheckpointStore, parse_path
+        from server_mock.storage.checkpoints import CheckpointStore, parse_path
 
         path = self.op({"op": "save_state", "name": name})["path"]
         return CheckpointStore(self.storage).fingerprint(parse_path(path))
@@ -230,7 +230,7 @@ def test_tiny_temperatures_sample_the_best_token():
     best token (shared equally by tied ones), as the limit of softmax(logits / T) says."""
     import torch
 
-    from server_mock.token_choice import filtered_probs
+    from server_mock.sampling.token_choice import filtered_probs
 
     logits = torch.tensor([[0.5, 3.0, -2.0, 1.0], [7.0, -1.0, 7.0, 2.0]])
     for temperature in (5e-324, 8.874889613338247e-280, 1e-30, 1e-21):

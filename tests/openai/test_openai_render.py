@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from server_mock.openai_render import finish, pieces
-from server_mock.tiny_model import EOS_TOKEN_ID, build_tiny_tokenizer
+from server_mock.api.openai.render import finish, pieces
+from server_mock.engine.tiny_model import EOS_TOKEN_ID, build_tiny_tokenizer
 
 
 @pytest.fixture(scope="module")

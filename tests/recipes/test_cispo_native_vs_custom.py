@@ -10,7 +10,11 @@ from safetensors.torch import load_file
 
 import pytrio_compat as trio
 from recipes.grpo_lib import (
-    build_arg_parser, build_datum, loss_fn_config, make_custom_cispo_loss, ratio_clip_fraction,
+    build_arg_parser,
+    build_datum,
+    loss_fn_config,
+    make_custom_cispo_loss,
+    ratio_clip_fraction,
 )
 
 pytestmark = pytest.mark.timeout(300)

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-
 FIXTURE = str(Path(__file__).resolve().parent / "fixtures" / "gsm8k_tiny.jsonl")
 
 

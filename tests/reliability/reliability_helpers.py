@@ -16,7 +16,7 @@ import uvicorn
 
 import pytrio_compat as trio
 from server_mock.app import create_app
-from server_mock.service import WorkerService
+from server_mock.service.worker import WorkerService
 
 KEY_A, KEY_B = "key-tenant-a", "key-tenant-b"
 
@@ -28,7 +28,7 @@ def datum(offset: int = 0, n: int = 20) -> trio.Datum:
 
 def saved_state(storage: Path, tc) -> dict[str, bytes]:
     """Weights and Adam state of a run, as saved on disk, for bit-exact comparison."""
-    from server_mock.storage import CheckpointStore, parse_path
+    from server_mock.storage.checkpoints import CheckpointStore, parse_path
 
     path = tc.save_state(f"fingerprint-{tc._next_seq}").result().path
     return CheckpointStore(storage).fingerprint(parse_path(path))

@@ -11,7 +11,7 @@ import torch
 import pytrio_compat as trio
 from pytrio_compat.types import AdamParams
 from pytrio_compat.wire import LoraSpec
-from server_mock.training import ModelHost
+from server_mock.engine.host import ModelHost
 
 from .reliability_helpers import datum
 
@@ -96,7 +96,7 @@ def test_step_counts_survive_save_and_load_and_old_checkpoints_load(host):
 
 def test_optim_step_without_gradients_leaves_weights_alone_over_http(worker, service):
     """Before the fix an optim_step with no pending gradients still moved the weights (decay + stale momentum)."""
-    from server_mock.storage import CheckpointStore, parse_path
+    from server_mock.storage.checkpoints import CheckpointStore, parse_path
 
     tc = service.create_lora_training_client("tiny", rank=4, seed=8)
     tc.forward_backward([datum()]).result()

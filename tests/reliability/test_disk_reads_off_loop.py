@@ -8,7 +8,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from server_mock.storage import CheckpointStore
+from server_mock.storage.checkpoints import CheckpointStore
 
 from .reliability_helpers import datum_wire, in_process_worker, on_event_loop
 

@@ -10,7 +10,7 @@ import time
 
 import httpx
 
-from server_mock.engine import Job, ModelQueue
+from server_mock.engine.queue import Job, ModelQueue
 
 from .reliability_helpers import KEY_A, KEY_B, datum_wire
 

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pytrio_compat.types.tensor import WireTensor
-from server_mock.storage import CheckpointStore, parse_path
+from server_mock.storage.checkpoints import CheckpointStore, parse_path
 
 from .reliability_helpers import KEY_A, KEY_B, datum_wire
 

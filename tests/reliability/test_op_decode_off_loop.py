@@ -20,7 +20,8 @@ from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
 from pytrio_compat.types.tensor import WireTensor
-from server_mock import http_common, validation
+from server_mock.api.native import endpoint
+from server_mock.service import validation
 
 from .reliability_helpers import in_process_worker, on_event_loop
 
@@ -53,9 +54,9 @@ class Watch:
 @pytest.fixture()
 def watched_worker(tiny_model_dir, tmp_path, monkeypatch):
     watch = Watch()
-    decode, parse = validation.wire_array, http_common.parse_body
+    decode, parse = validation.wire_array, endpoint.parse_body
     monkeypatch.setattr(validation, "wire_array", lambda t, f: watch.decode(decode, t, f))
-    monkeypatch.setattr(http_common, "parse_body", lambda m, r: watch.parse(parse, m, r))
+    monkeypatch.setattr(endpoint, "parse_body", lambda m, r: watch.parse(parse, m, r))
     with in_process_worker(tiny_model_dir, tmp_path / "storage") as base:
         try:
             yield base, watch
@@ -114,7 +115,7 @@ def test_native_op_is_decoded_off_the_loop_in_order(watched_worker):
         assert refused.status_code == 400 and refused.json()["error"]["field"] == "data[1].tokens", refused.text
         assert http.get(f"/v1/training_runs/{run}").json()["last_seq_id"] == 2
     assert len(watch.decodes) >= 64 * 2 and not any(watch.decodes), "tensors were decoded on the event loop"
-    big_parses = [on_loop for size, on_loop in watch.parses if size > http_common.BIG_BODY_BYTES]
+    big_parses = [on_loop for size, on_loop in watch.parses if size > endpoint.BIG_BODY_BYTES]
     assert len(big_parses) == 2 and not any(big_parses), watch.parses
 
 

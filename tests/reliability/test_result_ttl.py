@@ -10,7 +10,8 @@ from support import running_worker
 
 import pytrio_compat as trio
 from pytrio_compat.errors import RequestLostError
-from server_mock.engine import Job, RequestStore
+from server_mock.engine.queue import Job
+from server_mock.engine.requests import RequestStore
 
 
 @pytest.fixture(scope="module")

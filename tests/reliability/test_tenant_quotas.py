@@ -11,7 +11,7 @@ import pytest
 from support import WorkerProcess
 
 import pytrio_compat as trio
-from server_mock.tinker_futures import Futures
+from server_mock.api.tinker.futures import Futures
 
 from .reliability_helpers import KEY_A, KEY_B, datum
 

@@ -15,10 +15,10 @@ from tinker.proto.response_conv import (
     deserialize_sample_response,
 )
 
-from server_mock import tinker_proto, tinker_proto_results
+from server_mock.api.tinker.gate import SeqGate
+from server_mock.api.tinker.proto import decode, encode
+from server_mock.api.tinker.router import tinker_message, tinker_metrics, to_tinker_path, to_trio_path
 from server_mock.errors import WorkerError
-from server_mock.tinker_api import tinker_message, tinker_metrics, to_tinker_path, to_trio_path
-from server_mock.tinker_gate import SeqGate
 
 
 def _official_request(loss_fn_config=None, seq_id=3) -> bytes:
@@ -42,7 +42,7 @@ def _official_request(loss_fn_config=None, seq_id=3) -> bytes:
 
 def test_decodes_the_official_forward_backward_request():
     raw = _official_request({"clip_low_threshold": 0.75, "clip_high_threshold": 1.25, "loss_id": "abc"})
-    req = tinker_proto.decode_forward_backward_request(raw)
+    req = decode.decode_forward_backward_request(raw)
     assert (req.model_id, req.seq_id, req.loss_fn, req.forward_only) == ("sess-x:train:0", 3, "ppo", False)
     assert req.loss_fn_config == {"clip_low_threshold": 0.75, "clip_high_threshold": 1.25, "loss_id": "abc"}
     first, second = req.data
@@ -56,29 +56,29 @@ def test_decodes_the_official_forward_backward_request():
 
 def test_numbers_only_config_and_negative_seq_id():
     raw = _official_request({"beta": 0.5}, seq_id=-7)
-    req = tinker_proto.decode_forward_backward_request(raw)
+    req = decode.decode_forward_backward_request(raw)
     assert req.seq_id == -7 and req.loss_fn_config == {"beta": 0.5}
-    assert tinker_proto.decode_forward_backward_request(_official_request(None)).loss_fn_config == {}
+    assert decode.decode_forward_backward_request(_official_request(None)).loss_fn_config == {}
 
 
 def test_malformed_bodies_are_rejected():
     raw = _official_request()
-    with pytest.raises(tinker_proto.ProtoError):
-        tinker_proto.decode_forward_backward_request(raw[:-3])
-    with pytest.raises(tinker_proto.ProtoError):
-        tinker_proto.decode_forward_backward_request(b"\x0f\x01")  # wire type 7
+    with pytest.raises(decode.ProtoError):
+        decode.decode_forward_backward_request(raw[:-3])
+    with pytest.raises(decode.ProtoError):
+        decode.decode_forward_backward_request(b"\x0f\x01")  # wire type 7
     msg = pb.ForwardBackwardRequest(model_id="m", seq_id=1)
     datum = msg.data.add()
     datum.model_input.add().image.data = b"png"
-    with pytest.raises(tinker_proto.ProtoError, match="image"):
-        tinker_proto.decode_forward_backward_request(msg.SerializeToString())
+    with pytest.raises(decode.ProtoError, match="image"):
+        decode.decode_forward_backward_request(msg.SerializeToString())
 
 
 def test_forward_backward_output_decodes_in_the_official_client():
     outputs = [{"logprobs": np.float32([-1.0, -2.0, -3.0]), "elementwise_loss": np.float32([0.5, 0.0, 1.0])},
                {"logprobs": np.float32([-0.5]), "elementwise_loss": np.float32([2.0])},
                {"logprobs": np.zeros(0, np.float32), "elementwise_loss": np.zeros(0, np.float32)}]
-    raw = tinker_proto_results.encode_forward_backward_output(outputs, {"loss:sum": 3.5, "token_count:sum": 4.0})
+    raw = encode.encode_forward_backward_output(outputs, {"loss:sum": 3.5, "token_count:sum": 4.0})
     out = deserialize_forward_backward_output(raw)
     assert out.loss_fn_output_type == "ArrayRecord"
     assert out.metrics == {"loss:sum": 3.5, "token_count:sum": 4.0}
@@ -93,7 +93,7 @@ def test_sample_response_decodes_in_the_official_client():
     sequences = [{"stop_reason": "stop", "tokens": [4, 5, 6], "logprobs": [-0.1, -0.2, -0.3]},
                  {"stop_reason": "length", "tokens": [7], "logprobs": [-1.5]}]
     tops = [None, [(3, -0.5), (9, -1.25)], [(11, -0.75)]]
-    raw = tinker_proto_results.encode_sample_response(sequences, [None, -2.0, -3.5], tops, 2)
+    raw = encode.encode_sample_response(sequences, [None, -2.0, -3.5], tops, 2)
     out = deserialize_sample_response(raw)
     assert [s.stop_reason for s in out.sequences] == ["stop", "length"]
     assert [s.tokens for s in out.sequences] == [[4, 5, 6], [7]]
@@ -215,7 +215,7 @@ def test_seq_gate_keeps_the_slim_form_while_waiting():
     turn comes, in order; a failed preparation fails only its own future."""
     import threading
 
-    from server_mock.tinker_holding import HeldBytes, Slim
+    from server_mock.api.tinker.holding import HeldBytes, Slim
 
     async def scenario():
         held = HeldBytes(per_session=100, per_worker=1000)
@@ -284,6 +284,6 @@ def test_shapes_no_array_can_take_are_refused_naming_the_field(shape, match):
             tensor.sparse_csr.values = b""
         else:
             tensor.dense = b""
-        with pytest.raises(tinker_proto.ProtoError, match=match) as info:
-            tinker_proto.decode_forward_backward_request(msg.SerializeToString())
+        with pytest.raises(decode.ProtoError, match=match) as info:
+            decode.decode_forward_backward_request(msg.SerializeToString())
         assert info.value.field == "data[0].loss_fn_inputs.weights.shape"

@@ -119,7 +119,7 @@ def _body(draw, model_ids: list[str]) -> bytes:
 
 
 def _fingerprint(raw: RawTinker, storage, model_id: str, seq: int, name: str) -> dict[str, bytes]:
-    from server_mock.storage import CheckpointStore, parse_path
+    from server_mock.storage.checkpoints import CheckpointStore, parse_path
 
     r = raw.post("/save_weights", json={"model_id": model_id, "seq_id": seq, "path": name, "type": "save_weights"})
     assert r.status_code == 200, r.text

@@ -116,7 +116,7 @@ def test_gap_skipping_is_constant_time():
     """A gap of a billion seq_ids is skipped at once, remembered as one range, not one entry each."""
     import asyncio
 
-    from server_mock.tinker_gate import SeqGate
+    from server_mock.api.tinker.gate import SeqGate
 
     async def scenario():
         gate = SeqGate(gap_wait=0.05, max_ahead=2**40)
@@ -283,7 +283,7 @@ def test_get_info_names_the_model_not_server_paths(tinker_worker, raw_a, tiny_mo
 
 @pytest.mark.timeout(120)
 def test_open_sessions_are_bounded_per_api_key(raw_a, raw_b):
-    from server_mock.tinker_state import MAX_SESSIONS_PER_TENANT
+    from server_mock.api.tinker.state import MAX_SESSIONS_PER_TENANT
 
     opened = []
     while True:

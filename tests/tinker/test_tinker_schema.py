@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-PROTO_DIR = REPO / "server_mock" / "proto"
+PROTO_DIR = REPO / "server_mock" / "api" / "tinker" / "proto"
 
 
 def test_generated_module_matches_a_fresh_regeneration(tmp_path):
@@ -22,7 +22,7 @@ def test_generated_module_matches_a_fresh_regeneration(tmp_path):
     assert result.returncode == 0, result.stderr
     fresh = (tmp_path / "tinker_wire_pb2.py").read_text()
     committed = (PROTO_DIR / "tinker_wire_pb2.py").read_text()
-    assert fresh == committed, "server_mock/proto/tinker_wire_pb2.py is stale: run scripts/gen_proto.sh"
+    assert fresh == committed, "server_mock/api/tinker/proto/tinker_wire_pb2.py is stale: run scripts/gen_proto.sh"
 
 
 def _fields(descriptor) -> dict[int, tuple[str, int, str | None]]:
@@ -42,7 +42,7 @@ def test_our_messages_agree_with_the_official_schema(name):
     field layout, since the official package may name nested types differently)."""
     from tinker.proto import tinker_public_pb2 as official
 
-    from server_mock.proto import tinker_wire_pb2 as ours
+    from server_mock.api.tinker.proto import tinker_wire_pb2 as ours
 
     mine = _fields(ours.DESCRIPTOR.message_types_by_name[name])
     theirs = _fields(official.DESCRIPTOR.message_types_by_name[name])

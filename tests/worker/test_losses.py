@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from server_mock.losses import (
+from server_mock.training.losses import (
     LOSS_FUNCTIONS,
     OPTIONAL_INPUTS,
     REQUIRED_INPUTS,

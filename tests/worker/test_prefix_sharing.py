@@ -13,10 +13,11 @@ import torch
 
 from pytrio_compat.types import AdamParams
 from pytrio_compat.wire import LoraSpec
-from server_mock import prefix_cache, prefix_planning, prefix_sharing
-from server_mock.losses import LOSS_FUNCTIONS
-from server_mock.tiny_model import TINY_FAMILIES, make_tiny_model
-from server_mock.training import ModelHost, TrainOptions
+from server_mock.config import TrainOptions
+from server_mock.engine.host import ModelHost
+from server_mock.engine.tiny_model import TINY_FAMILIES, make_tiny_model
+from server_mock.training import prefix_cache, prefix_planning, prefix_sharing
+from server_mock.training.losses import LOSS_FUNCTIONS
 
 TOL = 1e-5  # absolute, and relative for values above 1 (float32 rounding of a differently ordered sum)
 

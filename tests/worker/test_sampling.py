@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from server_mock.sampling import SampleSpec, generate, teacher_forced_logprobs
-from server_mock.tiny_model import build_tiny_model, build_tiny_tokenizer
+from server_mock.engine.tiny_model import build_tiny_model, build_tiny_tokenizer
+from server_mock.sampling.generate import SampleSpec, generate, teacher_forced_logprobs
 
 TOL = 1e-4
 

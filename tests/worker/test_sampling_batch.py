@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import pytrio_compat as trio
-from server_mock.sampling import SampleSpec, generate, generate_batch, teacher_forced_logprobs
-from server_mock.tiny_model import build_tiny_model, build_tiny_tokenizer
+from server_mock.engine.tiny_model import build_tiny_model, build_tiny_tokenizer
+from server_mock.sampling.generate import SampleSpec, generate, generate_batch, teacher_forced_logprobs
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import cache_utils
 
-from server_mock.model_support import Float32Head, probe_sampling, use_float32_head
-from server_mock.sampling import SampleSpec, SamplingSupport, generate_batch, teacher_forced_logprobs
-from server_mock.tiny_model import build_tiny_model, build_tiny_tokenizer
+from server_mock.engine.support import Float32Head, probe_sampling, use_float32_head
+from server_mock.engine.tiny_model import build_tiny_model, build_tiny_tokenizer
+from server_mock.sampling.generate import SampleSpec, SamplingSupport, generate_batch, teacher_forced_logprobs
 
 
 @pytest.fixture(scope="module")

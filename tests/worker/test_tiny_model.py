@@ -6,12 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from server_mock.tiny_model import (
-    CHATML_TEMPLATE,
-    build_tiny_model,
-    build_tiny_tokenizer,
-    make_tiny_model,
-)
+from server_mock.engine.tiny_model import CHATML_TEMPLATE, build_tiny_model, build_tiny_tokenizer, make_tiny_model
 
 SAMPLE_TEXTS = [
     "What is 12 + 34? The answer is 46.",

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from pytrio_compat.wire import LoraSpec
-from server_mock.training import ModelHost, TrainOptions
+from server_mock.config import TrainOptions
+from server_mock.engine.host import ModelHost
 
 
 def run_step(model_dir, options: TrainOptions):

@@ -1,0 +1,244 @@
+"""Request bodies of the OpenAI-compatible API: which fields are served, which are refused, and their checks.
+
+A field is either served, or refused with a 400 that names it. A field sent as ``null``, or with the
+value that means "off" (``frequency_penalty: 0``, ``logit_bias: {}``, ``echo: false``, ...), asks for
+nothing and is accepted; any other value of an unsupported field is refused, never silently ignored.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
+from pydantic import ValidationError as PydanticValidationError
+
+from server_mock.errors import WorkerError
+
+MAX_STOP_SEQUENCES = 4  # OpenAI's limit
+MAX_TOP_LOGPROBS = 20  # chat top_logprobs (and the worker's top-k prompt logprobs limit)
+MAX_COMPLETION_LOGPROBS = 5  # the legacy completions `logprobs` integer
+ROLES = ("system", "developer", "user", "assistant")
+
+# Unsupported fields, with the values that ask for nothing (accepted) and why anything else is refused.
+_OFF_VALUES: dict[str, tuple[Any, ...]] = {
+    "frequency_penalty": (0,), "presence_penalty": (0,), "repetition_penalty": (1,), "logit_bias": ({},),
+    "echo": (False,), "best_of": (1,), "suffix": ("",), "store": (False,), "tools": ([],), "functions": ([],),
+    "tool_choice": ("none",), "function_call": ("none",), "parallel_tool_calls": (False,),
+    "response_format": ({"type": "text"},), "modalities": (["text"],), "metadata": ({},),
+}
+_REASONS = {
+    "tools": "tool calling is not supported by this worker", "functions": "function calling is not supported",
+    "tool_choice": "tool calling is not supported", "function_call": "function calling is not supported",
+    "parallel_tool_calls": "tool calling is not supported",
+    "response_format": "structured output is not supported; only {\"type\": \"text\"}",
+    "logit_bias": "logit_bias is not supported; only {} (no bias)",
+    "frequency_penalty": "penalties are not supported; only 0",
+    "presence_penalty": "penalties are not supported; only 0",
+    "repetition_penalty": "penalties are not supported; only 1",
+    "echo": "echo is not supported; only false", "best_of": "best_of is not supported; only 1 (use n)",
+    "suffix": "suffix (insertion) is not supported", "store": "stored completions are not supported; only false",
+    "modalities": "only [\"text\"] is supported", "metadata": "metadata is not stored by this worker",
+    "audio": "audio output is not supported", "prediction": "predicted outputs are not supported",
+    "reasoning_effort": "reasoning_effort is not supported", "service_tier": "service tiers are not supported",
+    "user": "user is not recorded by this worker", "web_search_options": "web search is not supported",
+    "verbosity": "verbosity is not supported",
+}
+
+
+class _Part(BaseModel):
+    model_config = ConfigDict(extra="allow")  # image_url, input_audio, ...: refused by type below
+    type: StrictStr
+    text: StrictStr | None = None
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: StrictStr
+    content: StrictStr | list[_Part]
+
+
+class _StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: StrictBool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: StrictStr
+    n: StrictInt = 1
+    max_tokens: StrictInt | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: StrictInt = -1  # an extension (vLLM's name): -1 is off
+    stop: StrictStr | list[StrictStr] | None = None
+    seed: StrictInt | None = None
+    stream: StrictBool = False
+    stream_options: _StreamOptions | None = None
+    return_token_ids: StrictBool = False  # an extension (vLLM's name): token ids in each choice
+
+
+class ChatBody(_Common):
+    messages: list[_Message]
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = None
+
+
+class CompletionBody(_Common):
+    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    logprobs: StrictInt | None = None
+
+
+@dataclass
+class Generation:
+    """One validated request: what to sample, for each prompt, and how to answer."""
+
+    model: str
+    n: int
+    max_tokens: int | None  # None: up to the model's context (and the worker's max_sample_tokens)
+    max_tokens_field: str
+    temperature: float
+    top_p: float
+    top_k: int
+    stop: list[str]
+    seed: int | None
+    stream: bool
+    include_usage: bool
+    logprobs: bool
+    top_logprobs: int
+    return_token_ids: bool
+    messages: list[dict[str, str]] = field(default_factory=list)  # chat
+    prompts: list[str | list[int]] = field(default_factory=list)  # completions
+
+
+def invalid(param: str, message: str, status: int = 400, code: str = "invalid_value") -> WorkerError:
+    return WorkerError(status, code, f"{param}: {message}", param)
+
+
+def parse_chat(body: dict, max_samples: int, max_sample_tokens: int) -> Generation:
+    req = _validate(ChatBody, body)
+    if not req.messages:
+        raise invalid("messages", "must hold at least one message")
+    messages = []
+    for i, message in enumerate(req.messages):
+        if message.role not in ROLES:
+            raise invalid(f"messages[{i}].role", f"{message.role!r} is not supported; use one of {', '.join(ROLES)}"
+                          + (" (tool calling is not supported)" if message.role in ("tool", "function") else ""))
+        if isinstance(message.content, str):
+            text = message.content
+        else:
+            for j, part in enumerate(message.content):
+                if part.type != "text" or part.text is None:
+                    raise invalid(f"messages[{i}].content[{j}]", f"{part.type!r} parts are not supported: "
+                                  "this worker serves text models (send {\"type\": \"text\", \"text\": ...})",
+                                  code="unsupported_parameter")
+            text = "".join(part.text or "" for part in message.content)
+        messages.append({"role": message.role, "content": text})
+    if req.max_tokens is not None and req.max_completion_tokens is not None \
+            and req.max_tokens != req.max_completion_tokens:
+        raise invalid("max_completion_tokens", "differs from max_tokens; send one of them")
+    limit_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    top = req.top_logprobs or 0
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise invalid("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs}")
+    if top and not req.logprobs:
+        raise invalid("top_logprobs", "needs logprobs: true")
+    gen = _common(req, req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens,
+                  limit_field, max_samples, max_sample_tokens, 1, req.logprobs, top)
+    gen.messages = messages
+    return gen
+
+
+def parse_completion(body: dict, max_samples: int, max_sample_tokens: int) -> Generation:
+    req = _validate(CompletionBody, body)
+    prompt = req.prompt
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], int)):
+        prompts: list[str | list[int]] = [prompt]
+    else:
+        prompts = list(prompt)
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise invalid("prompt", "must be a non-empty string, a non-empty list of token ids, or a list of them")
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_COMPLETION_LOGPROBS:
+        raise invalid("logprobs", f"must be in [0, {MAX_COMPLETION_LOGPROBS}], got {req.logprobs}")
+    gen = _common(req, req.max_tokens, "max_tokens", max_samples, max_sample_tokens, len(prompts),
+                  req.logprobs is not None, req.logprobs or 0)
+    gen.prompts = prompts
+    return gen
+
+
+def _common(req: _Common, max_tokens: int | None, max_field: str, max_samples: int, max_sample_tokens: int,
+            prompts: int, logprobs: bool, top_logprobs: int) -> Generation:
+    if req.n < 1:
+        raise invalid("n", f"must be >= 1, got {req.n}")
+    if req.n * prompts > max_samples:
+        what = f"n ({req.n})" + (f" x {prompts} prompts" if prompts > 1 else "")
+        raise invalid("n", f"{what} exceeds limit max_num_samples={max_samples}", 413, "limit_exceeded")
+    if max_tokens is not None and max_tokens < 1:
+        raise invalid(max_field, f"must be >= 1, got {max_tokens}")
+    if max_tokens is not None and max_tokens > max_sample_tokens:
+        raise invalid(max_field, f"{max_tokens} exceeds limit max_sample_tokens={max_sample_tokens}", 413,
+                      "limit_exceeded")
+    if not math.isfinite(req.temperature) or not 0 <= req.temperature <= 2:
+        raise invalid("temperature", f"must be in [0, 2], got {req.temperature}")
+    if not math.isfinite(req.top_p) or not 0 < req.top_p <= 1:
+        raise invalid("top_p", f"must be in (0, 1], got {req.top_p} (use temperature 0 for greedy decoding)")
+    if req.top_k < -1:
+        raise invalid("top_k", f"must be -1 (off) or >= 0, got {req.top_k}")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stop) > MAX_STOP_SEQUENCES or any(not s for s in stop):  # their length: the worker's limit
+        raise invalid("stop", f"must be up to {MAX_STOP_SEQUENCES} non-empty strings")
+    if req.seed is not None and not -(2**63) <= req.seed < 2**64:
+        raise invalid("seed", "must fit in 64 bits")
+    if req.stream_options is not None and not req.stream:
+        raise invalid("stream_options", "only allowed with stream: true")
+    return Generation(
+        model=req.model, n=req.n, max_tokens=max_tokens, max_tokens_field=max_field, temperature=req.temperature,
+        top_p=req.top_p, top_k=req.top_k, stop=stop, seed=req.seed, stream=req.stream,
+        include_usage=bool(req.stream_options and req.stream_options.include_usage), logprobs=logprobs,
+        top_logprobs=top_logprobs, return_token_ids=req.return_token_ids,
+    )
+
+
+def _validate(model: type[BaseModel], body: Any):
+    if not isinstance(body, dict):
+        raise invalid("body", "expected a JSON object", code="invalid_json")
+    served = set(model.model_fields)
+    clean = {}
+    for key, value in body.items():
+        if value is None:
+            continue  # null: the field is not set
+        if key not in served:
+            if key in _OFF_VALUES and any(_same(value, off) for off in _OFF_VALUES[key]):
+                continue
+            reason = _REASONS.get(key, "this field is not supported by this worker")
+            raise invalid(key, f"{reason} (got {_short(value)})", code="unsupported_parameter")
+        clean[key] = value
+    try:
+        return model.model_validate(clean)
+    except PydanticValidationError as exc:
+        first = exc.errors()[0]
+        loc = [str(p) for p in first.get("loc", ()) if not _is_union_tag(str(p))]
+        param = loc[0] if loc else "body"
+        for part in loc[1:]:
+            param += f"[{part}]" if part.isdigit() else f".{part}"
+        if first.get("type") == "missing":
+            raise invalid(param, "required", code="missing_required_parameter") from None
+        if first.get("type") == "extra_forbidden":
+            raise invalid(param, "this field is not supported", code="unsupported_parameter") from None
+        raise invalid(param, f"{first.get('msg', 'invalid')} (got {_short(first.get('input'))})") from None
+
+
+def _is_union_tag(part: str) -> bool:
+    return part in ("str", "int", "bool", "float") or part.startswith(("list[", "function-"))
+
+
+def _same(value: Any, off: Any) -> bool:
+    return type(value) is type(off) and value == off or (isinstance(off, int) and isinstance(value, (int, float))
+                                                          and not isinstance(value, bool) and value == off)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

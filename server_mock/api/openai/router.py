@@ -1,0 +1,232 @@
+"""The OpenAI-compatible inference API: ``/api/openai/v1/{models, chat/completions, completions}``.
+
+The same API keys and tenants as the native API (``Authorization: Bearer KEY``). ``model`` is a base
+model the worker serves or a ``trio://`` sampler checkpoint the caller owns. Requests are sampled
+through the service's queues (see openai_generation.py); fields are checked in openai_schemas.py and
+answers are built in openai_render.py. Errors have OpenAI's shape:
+``{"error": {"message", "type", "param", "code"}}``.
+
+``stream: true`` answers with server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``.
+The worker decodes a request's samples as one batch, so the role chunk is sent at once and the
+content chunks (one per token) when decoding has finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import time
+import uuid
+from typing import Any
+
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from server_mock.api.browser_safety import JSON, require_media_type
+from server_mock.api.openai import render
+from server_mock.api.openai.protocol import Generation, parse_chat, parse_completion
+from server_mock.api.openai.serving import Generator
+from server_mock.errors import WorkerError
+
+logger = logging.getLogger("server_mock")
+
+PREFIX = "/api/openai/v1"
+KEEPALIVE_SECONDS = 15.0  # an SSE comment this often while a streamed request waits for its batch
+_TYPES = {401: "authentication_error", 403: "permission_error", 404: "invalid_request_error",
+          429: "rate_limit_error"}
+
+
+def error_body(exc: WorkerError) -> dict:
+    kind = _TYPES.get(exc.status, "server_error" if exc.status >= 500 else "invalid_request_error")
+    return {"error": {"message": exc.message, "type": kind, "param": exc.field, "code": exc.code}}
+
+
+def error_response(exc: WorkerError) -> JSONResponse:
+    headers = {"Retry-After": "1"} if exc.status == 429 else None
+    return JSONResponse(error_body(exc), status_code=exc.status, headers=headers)
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    """The JSON body, sent as ``application/json`` (as the openai client does: see browser_safety.py)."""
+    require_media_type(request, (JSON,), f"the body of {request.url.path.removeprefix(PREFIX)}")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise WorkerError(413, "body_too_large", f"body: {declared} bytes exceeds limit max_body_bytes={limit}", "body")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise WorkerError(413, "body_too_large", f"body: exceeds limit max_body_bytes={limit}", "body")
+        chunks.append(chunk)
+    try:
+        return json.loads(b"".join(chunks) or b"null")
+    except ValueError:
+        raise WorkerError(400, "invalid_json", "body: not valid JSON", "body") from None
+    except RecursionError:
+        raise WorkerError(400, "invalid_json", "body: JSON nested too deeply", "body") from None
+
+
+# --- models -----------------------------------------------------------------------------------------
+
+
+def _model_entries(gen: Generator, tenant: str) -> list[dict]:
+    service = gen.service
+    started = int(getattr(service, "started", time.time()))
+    data = [{"id": name, "object": "model", "created": started, "owned_by": "worker", "root": name, "parent": None}
+            for name in gen.served_models()]
+    for entry in service.list_checkpoints(tenant, None).checkpoints:
+        if entry.kind == "sampler":
+            base = service.checkpoint_config(entry.path, tenant).base_model
+            data.append({"id": entry.path, "object": "model", "created": int(entry.created_at), "owned_by": "you",
+                         "root": entry.path, "parent": base})
+    return data
+
+
+async def list_models(gen: Generator, request: Request, tenant: str):
+    return {"object": "list", "data": _model_entries(gen, tenant)}
+
+
+async def get_model(gen: Generator, request: Request, tenant: str):
+    model = request.path_params["model"]
+    for entry in _model_entries(gen, tenant):
+        if entry["id"] == model:
+            return entry
+    raise WorkerError(404, "model_not_found", f"model: {model!r} does not exist here", "model")
+
+
+# --- generation ---------------------------------------------------------------------------------------
+
+
+async def chat_completions(gen: Generator, request: Request, tenant: str):
+    limits = gen.service.limits
+    req = parse_chat(await read_json(request, limits.max_body_bytes), limits.max_num_samples,
+                     limits.max_sample_tokens)
+    sampler_id, host = await gen.resolve(req.model, tenant)
+    prompt = render.render_chat(host.tokenizer, req.messages)
+    jobs = gen.submit_all(sampler_id, host, [prompt], req, tenant, "messages")
+    work = functools.partial(gen.choices, sampler_id, host, [prompt], jobs, req, tenant, "messages")
+    rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    if req.stream:
+        head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": req.model,
+                "system_fingerprint": None}
+        first = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                 for i in range(req.n)]
+        chunks = functools.partial(render.chat_chunks, host.tokenizer)
+        return _stream(head, first, work, lambda c: chunks(c, req.logprobs, req.return_token_ids)[1:], req,
+                       len(prompt))
+    choices = await work()
+    body = {"id": rid, "object": "chat.completion", "created": created, "model": req.model,
+            "choices": [render.chat_choice(host.tokenizer, c, req.logprobs, req.return_token_ids) for c in choices],
+            "usage": render.usage(len(prompt), choices), "system_fingerprint": None}
+    if req.return_token_ids:
+        body["prompt_token_ids"] = prompt
+    return body
+
+
+async def completions(gen: Generator, request: Request, tenant: str):
+    limits = gen.service.limits
+    req = parse_completion(await read_json(request, limits.max_body_bytes), limits.max_num_samples,
+                           limits.max_sample_tokens)
+    sampler_id, host = await gen.resolve(req.model, tenant)
+    prompts = [render.encode_prompt(host.tokenizer, p) for p in req.prompts]
+    jobs = gen.submit_all(sampler_id, host, prompts, req, tenant, "prompt")
+    work = functools.partial(gen.choices, sampler_id, host, prompts, jobs, req, tenant, "prompt")
+    rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    prompt_tokens = sum(len(p) for p in prompts)
+    if req.stream:
+        head = {"id": rid, "object": "text_completion", "created": created, "model": req.model}
+        chunks = functools.partial(render.completion_chunks, host.tokenizer)
+        return _stream(head, [], work, lambda c: chunks(c, req.logprobs, req.return_token_ids), req, prompt_tokens)
+    choices = await work()
+    body = {"id": rid, "object": "text_completion", "created": created, "model": req.model,
+            "choices": [render.completion_choice(host.tokenizer, c, req.logprobs, req.return_token_ids)
+                        for c in choices],
+            "usage": render.usage(prompt_tokens, choices)}
+    if req.return_token_ids:
+        body["prompt_token_ids"] = prompts if len(prompts) > 1 else prompts[0]
+    return body
+
+
+def _stream(head: dict, first: list[dict], work, chunks_of, req: Generation, prompt_tokens: int) -> StreamingResponse:
+    """Server-sent events: ``first`` at once, then each choice's chunks (``work()`` gives the choices),
+    usage if asked, then ``[DONE]``."""
+    usage_field = {"usage": None} if req.include_usage else {}
+
+    def event(payload: dict) -> str:
+        return f"data: {json.dumps(payload)}\n\n"
+
+    async def events():
+        task = asyncio.ensure_future(work())
+        try:
+            for chunk in first:
+                yield event({**head, "choices": [chunk], **usage_field})
+            while not task.done():
+                await asyncio.wait({task}, timeout=KEEPALIVE_SECONDS)
+                if not task.done():
+                    yield ": keep-alive\n\n"
+            try:
+                choices = task.result()
+            except WorkerError as exc:
+                yield event(error_body(exc))
+                return
+            except Exception as exc:  # noqa: BLE001 - the client hears of it, in the stream
+                logger.exception("openai: streamed request failed")
+                yield event(error_body(WorkerError(500, "internal_error", f"{type(exc).__name__}: {exc}")))
+                return
+            for choice in choices:
+                for chunk in chunks_of(choice):
+                    yield event({**head, "choices": [chunk], **usage_field})
+            if req.include_usage:
+                yield event({**head, "choices": [], "usage": render.usage(prompt_tokens, choices)})
+            yield "data: [DONE]\n\n"
+        finally:
+            if not task.done():
+                task.cancel()  # the client went away; the queued samples finish on their own
+
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def unknown_endpoint(gen: Generator, request: Request, tenant: str):
+    raise WorkerError(404, "unknown_url", f"{request.method} {request.url.path} is not an endpoint of this worker's "
+                                          "OpenAI API (served: GET /models, POST /chat/completions, POST /completions)")
+
+
+# --- routes -------------------------------------------------------------------------------------------
+
+
+def openai_routes(service, auth) -> list[Route]:
+    """The OpenAI-compatible routes, for the worker's Starlette app."""
+    gen = Generator(service)
+
+    def endpoint(handler):
+        async def wrapped(request: Request) -> Response:
+            try:
+                tenant = auth.tenant(request)
+                result = await handler(gen, request, tenant)
+            except WorkerError as exc:
+                if exc.status == 401:
+                    exc = WorkerError(401, "invalid_api_key", exc.message)
+                return error_response(exc)
+            except ClientDisconnect:
+                return Response(status_code=499)
+            except Exception as exc:  # noqa: BLE001 - never a bare 500 without a message
+                logger.exception("openai: unhandled error in %s", request.url.path)
+                return error_response(WorkerError(500, "internal_error", f"{type(exc).__name__}: {exc}"))
+            return result if isinstance(result, Response) else JSONResponse(result)
+
+        return wrapped
+
+    def route(path: str, handler, methods: list[str]) -> Route:
+        return Route(PREFIX + path, endpoint(handler), methods=methods)
+
+    return [
+        route("/models", list_models, ["GET"]),
+        route("/models/{model:path}", get_model, ["GET"]),
+        route("/chat/completions", chat_completions, ["POST"]),
+        route("/completions", completions, ["POST"]),
+        route("/{rest:path}", unknown_endpoint, ["GET", "POST", "PUT", "PATCH", "DELETE"]),
+    ]

@@ -1,0 +1,64 @@
+"""The Tinker HTTP API (``/api/v1/...``) on top of the worker's own service, for the official ``tinker`` SDK.
+
+Everything here translates: Tinker requests become the service's ops, samplers and checkpoints, and
+the service's results become Tinker's answers (JSON, or protobuf for forward/backward and sampling
+results, see tinker_proto.py). Models, adapters, request queues and checkpoints are the service's, so
+a run started through one protocol shares the worker with the other. See docs/tinker.md.
+
+The routes live with their resource: tinker_sessions (sessions and training models),
+tinker_training (forward/backward, optimizer steps), tinker_weights (save, load, describe),
+tinker_sampling (sampling sessions, asample) and tinker_futures (retrieve_future). tinker_state holds
+what they share, tinker_gate the per-model seq_id ordering (tinker_holding bounds what waiting requests
+keep), tinker_http the HTTP plumbing, tinker_paths the tinker:// names. The bounds are listed in
+docs/reliability.md ("Tinker protocol hardening").
+"""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.routing import Route
+
+from server_mock.api.tinker import sampling, sessions, training, weights
+from server_mock.api.tinker.endpoint import JSON, PROTOBUF, endpoint
+from server_mock.api.tinker.futures import retrieve_future
+from server_mock.api.tinker.paths import tinker_message, tinker_metrics, to_tinker_path, to_trio_path
+from server_mock.api.tinker.state import TinkerState
+from server_mock.errors import WorkerError
+
+__all__ = ["tinker_routes", "tinker_message", "tinker_metrics", "to_tinker_path", "to_trio_path"]
+
+
+async def unsupported(state: TinkerState, request: Request, tenant: str):
+    raise WorkerError(404, "not_supported", f"{request.method} {request.url.path} is not supported by this "
+                                            "worker (see docs/tinker.md for the Tinker endpoints it serves)")
+
+
+def tinker_routes(service, auth) -> list[Route]:
+    state = TinkerState(service)
+
+    def route(path: str, handler, methods=("POST",), public: bool = False, media=(JSON,)) -> Route:
+        return Route("/api/v1" + path, endpoint(handler, state, auth, public, media), methods=list(methods))
+
+    return [
+        route("/client/config", sessions.client_config),
+        route("/client/dynamic_config", sessions.dynamic_config),
+        route("/create_session", sessions.create_session),
+        route("/session_heartbeat", sessions.heartbeat),
+        route("/telemetry", sessions.telemetry),
+        route("/sessions/{session_id}/finish", sessions.finish_session),
+        route("/get_server_capabilities", sessions.capabilities, methods=("GET",)),
+        route("/healthz", sessions.healthz, methods=("GET",), public=True),
+        route("/create_model", sessions.create_model),
+        route("/get_info", sessions.get_info),
+        route("/forward_backward", training.forward_backward, media=(PROTOBUF,)),
+        route("/optim_step", training.optim_step),
+        route("/save_weights", weights.save_weights),
+        route("/save_weights_for_sampler", weights.save_weights_for_sampler),
+        route("/load_weights", weights.load_weights),
+        route("/weights_info", weights.weights_info),
+        route("/create_sampling_session", sampling.create_sampling_session),
+        route("/samplers/{sampler_id}", sampling.get_sampler, methods=("GET",)),
+        route("/asample", sampling.asample),
+        route("/retrieve_future", retrieve_future),
+        route("/{rest:path}", unsupported, methods=("GET", "POST", "PUT", "PATCH", "DELETE")),
+    ]

@@ -1,0 +1,174 @@
+"""Tinker routes for sampling: sampling sessions, sampler info, and ``asample`` (whose result is a
+protobuf ``SampleResponse``, encoded in a thread).
+
+An ``asample`` that names no sampling session (the older addressing, by ``base_model`` or
+``model_path``) reuses one sampler per (API key, base model, weights path), the most recent
+``IMPLICIT_SAMPLERS_PER_TENANT`` of them per key, instead of making a sampler per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from starlette.requests import Request
+
+from pytrio_compat.wire import CreateSampler, SampleRequest, WireSamplingParams
+from server_mock.api.tinker.endpoint import field, read_json, read_json_sized
+from server_mock.api.tinker.futures import job_result, raise_
+from server_mock.api.tinker.paths import to_tinker_path, to_trio_path
+from server_mock.api.tinker.proto import encode as results
+from server_mock.api.tinker.state import TinkerState
+from server_mock.errors import WorkerError, bad_request
+
+DEFAULT_MAX_TOKENS = 256  # sampling_params.max_tokens when the client leaves it unset
+MAX_SAMPLE_IDS = 20_000  # (sampler, seq_id) pairs remembered to answer re-sent asample requests
+
+
+def _create_body(body: dict) -> CreateSampler:
+    model_path = body.get("model_path")
+    base_model = body.get("base_model")
+    if base_model is not None and not isinstance(base_model, str):
+        raise bad_request("base_model", "must be a string")
+    return CreateSampler(base_model=base_model,
+                         model_path=to_trio_path(model_path, "model_path") if model_path else None)
+
+
+async def create_sampling_session(state: TinkerState, request: Request, tenant: str):
+    body = await read_json(request, state.body_limit)
+    session = state.session(field(body, "session_id", str), tenant)
+    seq = field(body, "sampling_session_seq_id", int)
+    key = (session.session_id, seq)
+    if key not in state.sampling_sessions:
+        create = _create_body(body)
+        state.count_creation(session, "sampling_session_seq_id")
+        info = await state.service.create_sampler(create, tenant)
+        state.sampling_sessions[key] = info.sampler_id
+    return {"sampling_session_id": state.sampling_sessions[key], "type": "create_sampling_session"}
+
+
+async def get_sampler(state: TinkerState, request: Request, tenant: str):
+    sampler = state.service.get_sampler(request.path_params["sampler_id"], tenant)
+    return {"sampler_id": sampler.sampler_id, "base_model": sampler.base_model,
+            "model_path": to_tinker_path(sampler.model_path) if sampler.model_path else None}
+
+
+def _stops(params: dict) -> tuple[list[str] | None, list[int] | None]:
+    stop = params.get("stop")
+    if isinstance(stop, str):
+        return [stop], None
+    if isinstance(stop, list):
+        if not stop:
+            return None, []  # no stops at all, not even EOS
+        if all(isinstance(s, str) for s in stop):
+            return stop, None
+        if all(isinstance(s, int) and not isinstance(s, bool) for s in stop):
+            return None, stop
+    if stop is None:
+        return None, None
+    raise bad_request("sampling_params.stop", "must be a string, a list of strings or a list of token ids")
+
+
+def sample_request(state: TinkerState, body: dict, max_seq_len: int | None) -> tuple[SampleRequest, int | None, int]:
+    chunks = (body.get("prompt") or {}).get("chunks") if isinstance(body.get("prompt"), dict) else None
+    if not isinstance(chunks, list):
+        raise bad_request("prompt.chunks", "required: a list of chunks")
+    tokens: list[int] = []
+    for i, chunk in enumerate(chunks):
+        if not isinstance(chunk, dict) or chunk.get("type", "encoded_text") != "encoded_text":
+            kind = chunk.get("type") if isinstance(chunk, dict) else type(chunk).__name__
+            raise bad_request(f"prompt.chunks[{i}]", f"{kind!r} chunks are not supported (text models only)")
+        part = chunk.get("tokens") or []
+        if not isinstance(part, list):
+            raise bad_request(f"prompt.chunks[{i}].tokens", "must be a list of token ids")
+        tokens.extend(part)
+    for name in ("topk_sample_logprobs", "prompt_alt_tokens_k"):
+        if body.get(name):
+            raise bad_request(name, "not supported by this worker")
+    if body.get("target_prompt_logprobs") is not None:
+        raise bad_request("target_prompt_logprobs", "not supported by this worker")
+    params = body.get("sampling_params") or {}
+    if not isinstance(params, dict):
+        raise bad_request("sampling_params", "must be an object")
+    max_tokens = params.get("max_tokens")
+    if max_tokens is None:
+        room = (max_seq_len or DEFAULT_MAX_TOKENS + len(tokens)) - len(tokens)
+        max_tokens = max(1, min(DEFAULT_MAX_TOKENS, state.service.limits.max_sample_tokens, room))
+    stop_strings, stop_ids = _stops(params)
+    last_n = body.get("prompt_logprobs_last_n")
+    want_prompt = bool(body.get("prompt_logprobs"))
+    if last_n is not None and (not want_prompt or not isinstance(last_n, int) or not 1 <= last_n < len(tokens)):
+        raise bad_request("prompt_logprobs_last_n", f"needs prompt_logprobs and must be in [1, {len(tokens) - 1}]")
+    wire = SampleRequest(
+        prompt_tokens=tokens, num_samples=body.get("num_samples", 1),
+        sampling_params=WireSamplingParams(
+            max_tokens=max_tokens, temperature=params.get("temperature", 1.0), top_k=params.get("top_k", -1),
+            top_p=params.get("top_p", 1.0), seed=params.get("seed"), stop=stop_strings, stop_token_ids=stop_ids),
+        include_prompt_logprobs=want_prompt, topk_prompt_logprobs=body.get("topk_prompt_logprobs") or 0,
+        return_text=False,
+    )
+    return wire, last_n, wire.topk_prompt_logprobs
+
+
+def _last_n(values: list, last_n: int | None) -> list:
+    if last_n is None:
+        return values
+    cut = len(values) - last_n
+    return [None] * cut + values[cut:]
+
+
+def encode_sample_result(result: dict, wire: SampleRequest, last_n: int | None, topk: int) -> bytes:
+    prompt_lps = _last_n(list(result.get("prompt_logprobs") or []), last_n) if wire.include_prompt_logprobs else None
+    tops = _last_n(list(result.get("topk_prompt_logprobs") or []), last_n) if topk else None
+    return results.encode_sample_response(result["sequences"], prompt_lps, tops, topk)
+
+
+async def _sampler_for(state: TinkerState, body: dict, tenant: str) -> tuple[str, bool]:
+    """The sampler an asample runs on, and whether it is one of the shared implicit ones."""
+    sampler_id = body.get("sampling_session_id")
+    if sampler_id is not None:
+        return str(sampler_id), False
+    create = _create_body(body)
+    known = state.implicit_sampler(tenant, create.base_model, create.model_path)
+    if known is None:
+        known = (await state.service.create_sampler(create, tenant)).sampler_id
+        state.keep_implicit_sampler(tenant, create.base_model, create.model_path, known)
+    return known, True
+
+
+async def asample(state: TinkerState, request: Request, tenant: str):
+    body, _, body_digest = await read_json_sized(request, state.body_limit)
+    service = state.service
+    sampler_id, shared = await _sampler_for(state, body, tenant)
+    sampler = service.get_sampler(sampler_id, tenant)
+    seq_id = field(body, "seq_id", int, required=False)
+    key = (sampler.sampler_id, seq_id)
+    dedupe = seq_id is not None and not shared  # shared samplers serve many clients: no seq_id of their own
+    if dedupe and key in state.samples:
+        request_id, sequence_ids, seen = state.samples[key]
+        if seen == body_digest:
+            return {"request_id": request_id, "sample_sequence_ids": sequence_ids}
+    num = body.get("num_samples", 1)
+    request_id = state.futures.new_id()
+    count = num if isinstance(num, int) and 0 < num <= service.limits.max_num_samples else 0
+    sequence_ids = [f"{request_id}:{i}" for i in range(count)]
+    try:
+        host = await service.host(sampler.base_model)
+        wire, last_n, topk = sample_request(state, body, host.max_seq_len)
+        accepted = service.submit_sample(sampler.sampler_id, wire, tenant)
+        job = service.requests.get(accepted.request_id, tenant)
+    except WorkerError as exc:
+        if exc.status == 429:  # backpressure: the client waits a moment and re-sends
+            raise
+        state.futures.add_guarded(tenant, raise_(exc), request_id)
+    except Exception as exc:  # noqa: BLE001 - a bad request is a failed future
+        state.futures.add_guarded(tenant, raise_(exc), request_id)
+    else:
+        async def convert(result: dict) -> bytes:
+            return await asyncio.to_thread(encode_sample_result, result, wire, last_n, topk)
+
+        state.futures.add_guarded(tenant, job_result(job, convert), request_id)
+    if dedupe:
+        state.samples[key] = (request_id, sequence_ids, body_digest)
+        while len(state.samples) > MAX_SAMPLE_IDS:
+            state.samples.popitem(last=False)
+    return {"request_id": request_id, "sample_sequence_ids": sequence_ids}

@@ -1,0 +1,169 @@
+"""What the Tinker API remembers between requests: sessions, training models, sampling sessions,
+futures, and the bounds on all of them.
+
+Identifiers:
+  session       ``sess-<hex>``; a session's training models are deleted when it finishes
+  model_id      ``<session_id>:train:<model_seq_id>`` (the client derives this form itself)
+  request_id    ``tk-<hex>``, a future polled with ``retrieve_future``
+  sampler       the service's sampler id is the ``sampling_session_id``
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from server_mock.api.tinker.futures import Futures
+from server_mock.api.tinker.gate import SeqGate
+from server_mock.api.tinker.holding import HeldBytes
+from server_mock.api.tinker.proto.decode import ElementBudget
+from server_mock.errors import WorkerError
+
+logger = logging.getLogger("server_mock")
+
+SESSION_TIMEOUT_SECONDS = 1800.0  # a session without heartbeats this long is finished (its models deleted)
+MAX_SESSIONS_PER_TENANT = 256
+MAX_CREATIONS_PER_SESSION = 1024  # training models and sampling sessions, each
+MAX_SEQ_AHEAD = 1024  # how far past the next expected seq_id of a model a request may be
+WAITING_BYTES_PER_SESSION_BODIES = 4  # out-of-order requests of a session hold at most 4 x max_body_bytes
+WAITING_BYTES_PER_WORKER_BODIES = 16  # and of the whole worker at most 16 x max_body_bytes
+ELEMENTS_PER_TOKEN = 8  # a forward_backward request's tensors may declare 8 x max_tokens_per_request elements
+IMPLICIT_SAMPLERS_PER_TENANT = 16  # samplers kept for asample calls that name no sampling session
+
+
+@dataclass
+class Session:
+    session_id: str
+    tenant: str
+    created: float = field(default_factory=time.time)
+    last_seen: float = field(default_factory=time.time)
+    model_ids: list[str] = field(default_factory=list)
+    creations: int = 0
+
+
+@dataclass
+class TinkerModel:
+    model_id: str
+    run_id: str
+    tenant: str
+    session_id: str
+    base_model: str
+    gate: SeqGate
+
+
+class TinkerState:
+    def __init__(self, service) -> None:
+        self.service = service
+        limits = service.limits
+        self.body_limit = limits.max_body_bytes
+        self.futures = Futures()
+        self.held = HeldBytes(WAITING_BYTES_PER_SESSION_BODIES * limits.max_body_bytes,
+                              WAITING_BYTES_PER_WORKER_BODIES * limits.max_body_bytes)
+        self.sessions: dict[str, Session] = {}
+        self.models: dict[str, TinkerModel] = {}
+        self.creations: dict[tuple[str, int], tuple[str, str]] = {}  # (session, model_seq_id) -> (request, model)
+        self.sampling_sessions: dict[tuple[str, int], str] = {}  # (session, sampling_session_seq_id) -> sampler
+        self.samples: OrderedDict[tuple[str, int], tuple[str, list[str], str]] = OrderedDict()
+        self.implicit_samplers: dict[str, OrderedDict[tuple[str | None, str | None], str]] = {}
+
+    def element_budget(self) -> ElementBudget:
+        tokens = self.service.limits.max_tokens_per_request
+        return ElementBudget(ELEMENTS_PER_TOKEN * tokens,
+                             f"{ELEMENTS_PER_TOKEN} x limit max_tokens_per_request={tokens}", max_tokens=tokens)
+
+    # -- sessions and models ---------------------------------------------------------------------------
+
+    def new_session(self, session_id: str, tenant: str) -> Session:
+        owned = sum(1 for s in self.sessions.values() if s.tenant == tenant)
+        if owned >= MAX_SESSIONS_PER_TENANT:
+            raise WorkerError(429, "too_many_sessions",
+                              f"this API key has {owned} open sessions (limit max_sessions={MAX_SESSIONS_PER_TENANT}"
+                              "); close some (ServiceClient.close) or wait for idle ones to expire")
+        session = Session(session_id, tenant)
+        self.sessions[session_id] = session
+        return session
+
+    def session(self, session_id: str, tenant: str) -> Session:
+        session = self.sessions.get(session_id)
+        if session is None or session.tenant != tenant:
+            raise WorkerError(404, "session_not_found", f"session_id: unknown session {session_id!r} "
+                                                        "(the worker may have restarted)", "session_id")
+        session.last_seen = time.time()
+        return session
+
+    def count_creation(self, session: Session, what: str) -> None:
+        if session.creations >= MAX_CREATIONS_PER_SESSION:
+            raise WorkerError(429, "too_many_creations",
+                              f"{what}: this session already created {session.creations} models and sampling "
+                              f"sessions (limit {MAX_CREATIONS_PER_SESSION}); start a new session", what)
+        session.creations += 1
+
+    def model(self, model_id: str, tenant: str) -> TinkerModel:
+        model = self.models.get(model_id)
+        if model is None or model.tenant != tenant:
+            raise WorkerError(404, "model_not_found", f"model_id: unknown model {model_id!r} (it was never created "
+                                                      "here, its session finished, or the worker restarted)",
+                              "model_id")
+        return model
+
+    async def register(self, session: Session, model_id: str, run_id: str, base_model: str) -> TinkerModel:
+        if self.sessions.get(session.session_id) is not session:  # it finished while the model was made
+            await self._delete_run(run_id, session.tenant)
+            raise WorkerError(404, "session_not_found", f"session_id: session {session.session_id!r} has finished")
+        gate = SeqGate(max_ahead=MAX_SEQ_AHEAD, held=self.held, owner=session.session_id)
+        model = TinkerModel(model_id, run_id, session.tenant, session.session_id, base_model, gate)
+        self.models[model_id] = model
+        session.model_ids.append(model_id)
+        return model
+
+    async def finish(self, session: Session) -> None:
+        """End a session: its training models are deleted (their checkpoints stay)."""
+        self.sessions.pop(session.session_id, None)
+        for key in [k for k in self.creations if k[0] == session.session_id]:
+            del self.creations[key]
+        for key in [k for k in self.sampling_sessions if k[0] == session.session_id]:
+            del self.sampling_sessions[key]
+        for model_id in session.model_ids:
+            model = self.models.pop(model_id, None)
+            if model is not None:
+                model.gate.close(f"model_id: the session of {model_id!r} finished")
+                await self._delete_run(model.run_id, session.tenant)
+
+    async def expire(self) -> None:
+        """Finish the sessions whose client stopped sending heartbeats (every 10 s while it runs)."""
+        cutoff = time.time() - SESSION_TIMEOUT_SECONDS
+        for session in [s for s in self.sessions.values() if s.last_seen < cutoff]:
+            logger.info("tinker: session %s sent no heartbeat for %.0fs; finishing it", session.session_id,
+                        SESSION_TIMEOUT_SECONDS)
+            await self.finish(session)
+
+    async def _delete_run(self, run_id: str, tenant: str) -> None:
+        try:
+            await self.service.delete_run(run_id, tenant)
+        except WorkerError:
+            pass
+
+    # -- samplers for asample without a sampling session -----------------------------------------------
+
+    def implicit_sampler(self, tenant: str, base_model: str | None, model_path: str | None) -> str | None:
+        """The sampler this tenant already has for these weights, if the service still holds it."""
+        cache = self.implicit_samplers.get(tenant)
+        sampler_id = cache.get((base_model, model_path)) if cache else None
+        if sampler_id is None:
+            return None
+        try:
+            self.service.get_sampler(sampler_id, tenant)
+        except WorkerError:
+            del cache[(base_model, model_path)]
+            return None
+        cache.move_to_end((base_model, model_path))
+        return sampler_id
+
+    def keep_implicit_sampler(self, tenant: str, base_model: str | None, model_path: str | None,
+                              sampler_id: str) -> None:
+        cache = self.implicit_samplers.setdefault(tenant, OrderedDict())
+        cache[(base_model, model_path)] = sampler_id
+        while len(cache) > IMPLICIT_SAMPLERS_PER_TENANT:
+            cache.popitem(last=False)

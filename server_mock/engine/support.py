@@ -1,0 +1,141 @@
+"""What the worker can do with a loaded model: refuse what it cannot serve, probe the decoding paths, and
+compute the output head in float32.
+
+Checked once when a model loads, on a few random tokens (milliseconds): that the model is a causal LM whose
+KV-cached decoding reproduces a full forward pass (else the sampler's logprobs could not match the trainer's),
+that LoRA has Linear layers to adapt, and which sampling paths its cache takes (``SamplingSupport``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from server_mock.errors import WorkerError
+from server_mock.sampling.generate import SamplingSupport
+
+logger = logging.getLogger("server_mock")
+
+__all__ = ["Float32Head", "probe_sampling", "refuse", "use_float32_head"]
+
+_PROBE_PROMPTS = (11, 6)  # two prompt lengths: the shorter is left-padded when both are prefilled together
+_PROBE_STEPS = 3
+
+
+def refuse(model_type: str, missing: str) -> WorkerError:
+    return WorkerError(422, "model_not_supported",
+                       f"model type {model_type!r} cannot be served: {missing}", "base_model")
+
+
+class Float32Head(nn.Linear):
+    """The output projection computed in float32 whatever the model's dtype or an autocast region.
+
+    In bfloat16 the logits' rounding alone moves logprobs by ~1e-2; doing the last matmul in float32 in both
+    the sampler and the trainer removes that part of their disagreement. In a float32 model it changes nothing.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            bias = None if self.bias is None else self.bias.float()
+            return nn.functional.linear(x.float(), self.weight.float(), bias)
+
+
+def use_float32_head(model: nn.Module) -> bool:
+    """Make the model's output head a ``Float32Head`` (same parameters, tied or not); False if it has none."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if type(head) is not nn.Linear:  # noqa: E721 - exactly a plain Linear, nothing we do not know
+        return False
+    head.__class__ = Float32Head
+    return True
+
+
+def _forward(model, ids, cache=None, mask=None, positions=None):
+    out = model(input_ids=ids, cache=cache, attention_mask=mask, position_ids=positions, use_cache=True)
+    return out.logits.float(), getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+
+
+def probe_sampling(model: nn.Module, vocab_size: int) -> SamplingSupport:
+    """Which decoding paths reproduce a full forward pass on this model; raises if cached decoding fails."""
+    model_type = getattr(model.config, "model_type", type(model).__name__)
+    dtype = next(model.parameters()).dtype
+    device = next(model.parameters()).device
+    gen = torch.Generator().manual_seed(0)
+    low = min(3, vocab_size - 1)
+    long_p, short_p = (torch.randint(low, vocab_size, (1, n), generator=gen).to(device) for n in _PROBE_PROMPTS)
+    follow = torch.randint(low, vocab_size, (1, _PROBE_STEPS), generator=gen).to(device)
+    with torch.no_grad():
+        try:
+            ref = model(input_ids=torch.cat([short_p, follow], 1), use_cache=False).logits.float()[0]
+        except Exception as exc:  # noqa: BLE001 - any failure means the model cannot be served
+            raise refuse(model_type, f"a forward pass failed ({type(exc).__name__}: {exc})") from exc
+        ref = ref[short_p.shape[1] - 1:]
+        tol = (1e-3 if dtype == torch.float32 else 5e-2) * max(1.0, float(ref.abs().max()))
+        try:
+            solo = _decode_solo(model, short_p, follow)
+        except Exception as exc:  # noqa: BLE001
+            raise refuse(model_type, f"KV-cached decoding failed ({type(exc).__name__}: {exc})") from exc
+        if float((solo - ref).abs().max()) > tol:
+            raise refuse(model_type, "KV-cached decoding does not reproduce a full forward pass, so sampled "
+                                     "logprobs could not match the trainer's")
+        shared = _agrees(lambda: _decode_expanded(model, short_p, follow), ref, tol)
+        padded = _agrees(lambda: _decode_padded(model, long_p, short_p, follow), ref, tol)
+    support = SamplingSupport(shared_prefix=shared, padded_batch=padded)
+    if not shared:
+        logger.warning("model type %s: its cache cannot be expanded or reordered; every sample row prefills its "
+                       "own copy of the prompt and stopped rows stay in the batch (correct, slower)", model_type)
+    if not padded:
+        logger.warning("model type %s: prompts cannot be left-padded into one batch; concurrent sample requests "
+                       "are decoded one after another (correct, slower)", model_type)
+    return support
+
+
+def _agrees(run, ref: torch.Tensor, tol: float) -> bool:
+    try:
+        out = run()
+    except Exception as exc:  # noqa: BLE001 - a path that raises is a path not taken
+        logger.debug("sampling probe path failed: %r", exc)
+        return False
+    return out is not None and float((out - ref).abs().max()) <= tol
+
+
+def _decode_solo(model, prompt, follow):
+    logits, cache = _forward(model, prompt)
+    rows = [logits[0, -1]]
+    for t in range(follow.shape[1]):
+        logits, cache = _forward(model, follow[:, t:t + 1], cache)
+        rows.append(logits[0, -1])
+    return torch.stack(rows)
+
+
+def _decode_expanded(model, prompt, follow):
+    """Prefill once, expand to three rows, drop two of them midway: every row must match the reference."""
+    logits, cache = _forward(model, prompt)
+    cache.reorder_cache(torch.tensor([0, 0, 0], device=prompt.device))
+    rows = [logits[0, -1]]
+    for t in range(follow.shape[1]):
+        if t == 1:
+            cache.reorder_cache(torch.tensor([2], device=prompt.device))
+        ids = follow[:, t:t + 1].expand(3 if t == 0 else 1, 1)
+        logits, cache = _forward(model, ids, cache)
+        rows.append(logits[-1, -1])
+    return torch.stack(rows)
+
+
+def _decode_padded(model, long_p, short_p, follow):
+    """Prefill a long and a short prompt together (the short one left-padded), decode both; the short row."""
+    n_long, n_short = long_p.shape[1], short_p.shape[1]
+    ids = torch.zeros((2, n_long), dtype=torch.long, device=long_p.device)
+    ids[0], ids[1, n_long - n_short:] = long_p[0], short_p[0]
+    mask = torch.zeros_like(ids)
+    mask[0], mask[1, n_long - n_short:] = 1, 1
+    logits, cache = _forward(model, ids, None, mask, (mask.cumsum(-1) - 1).clamp(min=0))
+    rows = [logits[1, -1]]
+    positions = torch.tensor([[n_long], [n_short]], device=long_p.device)
+    for t in range(follow.shape[1]):
+        mask = torch.cat([mask, mask.new_ones((2, 1))], dim=1)
+        logits, cache = _forward(model, follow[:, t:t + 1].expand(2, 1), cache, mask, positions)
+        rows.append(logits[1, -1])
+        positions = positions + 1
+    return torch.stack(rows)

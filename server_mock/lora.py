@@ -1,0 +1,88 @@
+"""The LoRA vocabulary every layer shares: adapters, frozen snapshots of their weights, which Linear layers a
+LoRA covers, and PEFT's configuration for them.
+
+A LoRA here is PEFT's: ``lora_A`` (rank x in) and ``lora_B`` (out x rank) on each covered ``nn.Linear``, scaled
+by ``LORA_ALPHA / rank``. The layers are grouped by the three switches of a ``LoraSpec`` (attention, MLP, the
+output head), decided from the module tree alone, so the in-process host and the Ray front end (which holds
+the model on the ``meta`` device) agree on the layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from pytrio_compat.wire import LoraSpec
+from server_mock.errors import bad_request
+
+LORA_ALPHA = 32  # fixed alpha: the effective scale is alpha / rank, as in most LoRA RL setups
+
+
+@dataclass
+class Adapter:
+    adapter_id: str
+    spec: LoraSpec
+    seed: int
+    params: dict[str, nn.Parameter] = field(default_factory=dict)
+    exp_avg: dict[str, torch.Tensor] = field(default_factory=dict)
+    exp_avg_sq: dict[str, torch.Tensor] = field(default_factory=dict)
+    optim_steps: int = 0  # optim_step calls
+    param_steps: dict[str, int] = field(default_factory=dict)  # Adam steps per parameter (those with a gradient)
+    version: int = 0  # bumped whenever the weights change
+
+
+@dataclass
+class Snapshot:
+    """Adapter weights frozen at one moment, in PEFT's state-dict layout (adapter name removed)."""
+
+    snapshot_id: str
+    spec: LoraSpec
+    target_modules: tuple[str, ...]
+    tensors: dict[str, torch.Tensor]
+
+
+def linear_groups(model: nn.Module) -> dict[str, str]:
+    """Which LoRA switch covers each Linear layer: train_attn, train_mlp or train_unembed."""
+    groups = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        if name.split(".")[-1] == "lm_head":
+            groups[name] = "train_unembed"
+        elif ".mlp." in name or "feed_forward" in name:
+            groups[name] = "train_mlp"
+        elif "attn" in name or "attention" in name:
+            groups[name] = "train_attn"
+    return groups
+
+
+@dataclass(frozen=True)
+class Layer:
+    group: str  # train_attn / train_mlp / train_unembed
+    in_features: int
+    out_features: int
+
+
+def model_layout(model: nn.Module, groups: dict[str, str]) -> dict[str, Layer]:
+    """Every LoRA-able Linear layer of the base model, by name (``groups`` from ``linear_groups``; run on the
+    model's thread: PEFT may have wrapped the layers, whose base layer then holds the shape)."""
+    layout = {}
+    for name, group in groups.items():
+        module = model.get_submodule(name)
+        base = getattr(module, "base_layer", module)
+        layout[name] = Layer(group, int(base.in_features), int(base.out_features))
+    return layout
+
+
+def lora_config(groups: dict[str, str], spec: LoraSpec):
+    """PEFT's ``LoraConfig`` for ``spec`` on a model whose Linear layers are grouped as ``groups``, and the
+    target layer names."""
+    from peft import LoraConfig
+
+    targets = [name for name, group in groups.items() if getattr(spec, group)]
+    if not targets:
+        raise bad_request("lora", "no Linear layers match train_mlp/train_attn/train_unembed for this model")
+    return LoraConfig(r=spec.rank, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=targets,
+                      bias="none"), tuple(targets)

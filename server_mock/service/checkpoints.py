@@ -1,0 +1,105 @@
+"""Checkpoints as a tenant sees them: owned paths, their config, listing and deletion.
+
+Every method here reads the disk: route handlers call them through ``asyncio.to_thread``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from pytrio_compat.wire import CheckpointConfig, CheckpointEntry, CheckpointList, LoraSpec, SaveOp
+from server_mock.engine.host import ModelHost
+from server_mock.errors import WorkerError, not_found
+from server_mock.storage.checkpoints import CheckpointRef, parse_path
+
+
+class CheckpointsMixin:
+    """Part of WorkerService: needs ``store`` and ``snapshots``."""
+
+    def _owned_ref(self, path: str, tenant: str, field_name: str) -> CheckpointRef:
+        """The checkpoint (on disk or an in-memory snapshot) at ``path`` if it is this tenant's; else 404."""
+        ref = parse_path(path, field_name)
+        owner = self.snapshots.owner(path)
+        if owner is not None:
+            if owner != tenant:
+                raise WorkerError(404, "checkpoint_not_found", f"{field_name}: no checkpoint at {path}", field_name)
+            return ref
+        meta_tenant = None
+        if self.store.exists(ref):
+            meta_tenant = self.store.read_meta(ref).get("tenant", "")
+        if meta_tenant is None or meta_tenant != tenant:
+            # 404, not 403: another tenant's checkpoints must not even be seen to exist
+            raise WorkerError(404, "checkpoint_not_found", f"{field_name}: no checkpoint at {path}", field_name)
+        return ref
+
+    def checkpoint_config(self, path: str, tenant: str) -> CheckpointConfig:
+        ref = self._owned_ref(path, tenant, "path")
+        meta = self.store.read_meta(ref)
+        return CheckpointConfig(path=path, kind=ref.kind, base_model=meta["base_model"],
+                                lora=LoraSpec.model_validate(meta["lora"]),
+                                has_optimizer=meta.get("has_optimizer", False))
+
+    def list_checkpoints(self, tenant: str, training_run_id: str | None) -> CheckpointList:
+        entries = []
+        for ref, meta, size in self.store.list(training_run_id):
+            if meta.get("tenant", "") != tenant:
+                continue
+            entries.append(CheckpointEntry(checkpoint_id=hashlib.sha256(ref.path.encode()).hexdigest()[:16],
+                                           kind=ref.kind, path=ref.path, created_at=meta.get("created_at", 0.0),
+                                           size_bytes=size))
+        return CheckpointList(checkpoints=entries)
+
+    def delete_checkpoint(self, path_or_id: str, tenant: str) -> None:
+        if not path_or_id.startswith("trio://"):
+            matches = [c.path for c in self.list_checkpoints(tenant, None).checkpoints if c.checkpoint_id == path_or_id]
+            if not matches:
+                raise not_found("checkpoint", path_or_id)
+            path_or_id = matches[0]
+        ref = self._owned_ref(path_or_id, tenant, "path")
+        self.store.delete(ref)
+        self.snapshots.pop(ref.path)
+
+    def _check_compatible(self, run, meta: dict) -> None:
+        spec = LoraSpec.model_validate(meta["lora"])
+        mismatches = [f for f in ("rank", "train_mlp", "train_attn", "train_unembed")
+                      if getattr(spec, f) != getattr(run.spec, f)]
+        if meta["base_model"] != run.base_model:
+            mismatches.insert(0, "base_model")
+        if mismatches:
+            raise WorkerError(400, "checkpoint_config_mismatch", "path: checkpoint does not match this training "
+                                                                  f"client in: {', '.join(mismatches)}", "path")
+
+    # --- on the model's thread: save and load a run's weights (and Adam state) ---
+
+    def _save(self, run, host: ModelHost, op: SaveOp) -> dict:
+        adapter = run.adapter
+        kind = "state" if op.op == "save_state" else "sampler"
+        ref = CheckpointRef(run.run_id, kind, op.name)
+        if kind == "sampler" and op.ephemeral:
+            snap = host.snapshot(adapter)
+            self.snapshots.put(ref.path, run.tenant, (run.base_model, snap))
+            size = sum(t.numel() * t.element_size() for t in snap.tensors.values())
+            return {"path": ref.path, "size": size, "model": run.base_model}
+        meta = {"base_model": run.base_model, "lora": run.spec.model_dump(), "tenant": run.tenant,
+                "optim_steps": adapter.optim_steps, "ttl_seconds": op.ttl_seconds, "kind": kind,
+                "has_optimizer": kind == "state"}
+        tensors = {"adapter_model.safetensors": host.adapter_weights(adapter)}
+        if kind == "state":
+            tensors["optimizer.safetensors"] = host.optimizer_state(adapter)
+        files = {"adapter_config.json": host.peft_adapter_config(run.spec)}
+        size = self.store.write(ref, meta, tensors, files, overwrite=op.overwrite)
+        if kind == "sampler":
+            self.snapshots.pop(ref.path)  # a re-save must not serve the old weights
+        return {"path": ref.path, "size": size, "model": run.base_model}
+
+    def _load(self, run, host: ModelHost, ref: CheckpointRef, with_optimizer: bool) -> dict:
+        weights = self.store.read_tensors(ref, "adapter_model.safetensors")
+        state = self.store.read_tensors(ref, "optimizer.safetensors") if with_optimizer else None
+        before = host.adapter_weights(run.adapter)
+        try:
+            host.load_adapter_weights(run.adapter, weights)
+            host.load_optimizer_state(run.adapter, state)
+        except BaseException:
+            host.load_adapter_weights(run.adapter, before)
+            raise
+        return {}

@@ -1,0 +1,91 @@
+"""Per-tenant quotas: each API key gets its own share of the worker's caches and queue.
+
+One tenant's volume never evicts, expires or refuses another tenant's things: a cache over its quota
+drops the same tenant's least recently used entry.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Generic, TypeVar
+
+from server_mock.engine.requests import RequestStore
+from server_mock.errors import WorkerError
+
+V = TypeVar("V")
+
+
+class TenantLRU(Generic[V]):
+    """``key -> value``, each owned by a tenant; at most ``per_tenant`` entries per tenant.
+
+    Thread-safe: model threads add snapshots they load while the event loop reads.
+    """
+
+    def __init__(self, per_tenant: int) -> None:
+        self.per_tenant = max(1, per_tenant)
+        self._owner: dict[str, str] = {}
+        self._by_tenant: dict[str, OrderedDict[str, V]] = {}
+        self._lock = threading.Lock()
+
+    def put(self, key: str, tenant: str, value: V) -> list[str]:
+        """Add (or refresh) ``key``; returns the keys of this tenant's entries evicted to make room."""
+        with self._lock:
+            self._pop(key)
+            entries = self._by_tenant.setdefault(tenant, OrderedDict())
+            entries[key] = value
+            self._owner[key] = tenant
+            evicted = []
+            while len(entries) > self.per_tenant:
+                old, _ = entries.popitem(last=False)
+                del self._owner[old]
+                evicted.append(old)
+            return evicted
+
+    def get(self, key: str) -> V | None:
+        """The value, marked as recently used; None if absent."""
+        with self._lock:
+            tenant = self._owner.get(key)
+            if tenant is None:
+                return None
+            entries = self._by_tenant[tenant]
+            entries.move_to_end(key)
+            return entries[key]
+
+    def owner(self, key: str) -> str | None:
+        with self._lock:
+            return self._owner.get(key)
+
+    def pop(self, key: str) -> V | None:
+        with self._lock:
+            return self._pop(key)
+
+    def count(self, tenant: str) -> int:
+        with self._lock:
+            return len(self._by_tenant.get(tenant, ()))
+
+    def __contains__(self, key: str) -> bool:
+        with self._lock:
+            return key in self._owner
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._owner)
+
+    def _pop(self, key: str) -> V | None:
+        tenant = self._owner.pop(key, None)
+        if tenant is None:
+            return None
+        entries = self._by_tenant[tenant]
+        value = entries.pop(key)
+        if not entries:
+            del self._by_tenant[tenant]
+        return value
+
+
+def check_queued(requests: RequestStore, tenant: str, limit: int) -> None:
+    """429 when this tenant already has ``limit`` requests queued or running (others are unaffected)."""
+    if requests.unfinished(tenant) >= limit:
+        raise WorkerError(429, "too_many_queued_requests",
+                          f"limit max_queued_requests={limit} reached: this API key has {limit} requests queued "
+                          "or running; retry when some finish (or raise --max-queued-requests)")

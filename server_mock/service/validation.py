@@ -1,0 +1,176 @@
+"""Checks on request contents, done in full before anything is queued: a rejected request never
+touches an adapter. Every error names the field, and the limit when one was exceeded."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from pytrio_compat.wire import AdamParams, ForwardOp, SampleRequest, WireTensor
+from server_mock.config import Limits
+from server_mock.engine.host import ModelHost
+from server_mock.errors import WorkerError, bad_request
+from server_mock.sampling.generate import SampleSpec
+from server_mock.training import losses
+
+
+def validate_sample(request: SampleRequest, host: ModelHost, limits: Limits) -> SampleSpec:
+    params = request.sampling_params
+    prompt = np.asarray(request.prompt_tokens, dtype=np.int64)
+    if len(prompt) == 0:
+        raise bad_request("prompt_tokens", "prompt cannot be empty")
+    check_vocab(prompt, host.vocab_size, "prompt_tokens", allow_ignore=False)
+    if not 1 <= request.num_samples <= limits.max_num_samples:
+        raise WorkerError(413 if request.num_samples > 0 else 400, "invalid_num_samples",
+                          f"num_samples: must be in [1, {limits.max_num_samples}] (limit max_num_samples), "
+                          f"got {request.num_samples}", "num_samples")
+    if not 1 <= params.max_tokens <= limits.max_sample_tokens:
+        raise WorkerError(413 if params.max_tokens > 0 else 400, "invalid_max_tokens",
+                          f"sampling_params.max_tokens: must be in [1, {limits.max_sample_tokens}] "
+                          f"(limit max_sample_tokens), got {params.max_tokens}", "sampling_params.max_tokens")
+    if len(prompt) + params.max_tokens > host.max_seq_len:
+        raise WorkerError(413, "sequence_too_long",
+                          f"sampling_params.max_tokens: prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) "
+                          f"exceeds max_seq_len={host.max_seq_len}", "sampling_params.max_tokens")
+    if not math.isfinite(params.temperature) or params.temperature < 0:
+        raise bad_request("sampling_params.temperature", f"must be a finite number >= 0, got {params.temperature}")
+    if not math.isfinite(params.top_p) or not 0 < params.top_p <= 1:
+        raise bad_request("sampling_params.top_p", f"must be in (0, 1], got {params.top_p}")
+    if params.top_k < -1:
+        raise bad_request("sampling_params.top_k", f"must be -1 (off) or >= 0, got {params.top_k}")
+    if not 0 <= request.topk_prompt_logprobs <= 20:
+        raise bad_request("topk_prompt_logprobs", f"must be in [0, 20], got {request.topk_prompt_logprobs}")
+    stop_strings = check_stop_strings(params.stop, limits)
+    if params.stop_token_ids is not None:
+        if len(params.stop_token_ids) > limits.max_stop_token_ids:
+            raise WorkerError(413, "too_many_stop_token_ids",
+                              f"sampling_params.stop_token_ids: {len(params.stop_token_ids)} ids exceeds limit "
+                              f"max_stop_token_ids={limits.max_stop_token_ids}", "sampling_params.stop_token_ids")
+        check_vocab(np.asarray(params.stop_token_ids, dtype=np.int64), host.vocab_size,
+                    "sampling_params.stop_token_ids", allow_ignore=False)
+        stop_ids = list(params.stop_token_ids)
+    else:
+        stop_ids = default_stop_ids(host)
+    return SampleSpec(
+        prompt_tokens=prompt.tolist(), num_samples=request.num_samples, max_tokens=params.max_tokens,
+        temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=params.seed,
+        stop_token_ids=stop_ids, stop_strings=stop_strings,
+        include_prompt_logprobs=request.include_prompt_logprobs,
+        topk_prompt_logprobs=request.topk_prompt_logprobs,
+    )
+
+
+def check_stop_strings(stop: list[str] | None, limits: Limits) -> list[str]:
+    """Stop strings are matched against the decoded tail at every step: their count and length are bounded."""
+    if not stop:
+        return []
+    field = "sampling_params.stop"
+    if len(stop) > limits.max_stop_strings:
+        raise WorkerError(413, "too_many_stop_strings", f"{field}: {len(stop)} strings exceeds limit "
+                                                        f"max_stop_strings={limits.max_stop_strings}", field)
+    for i, text in enumerate(stop):
+        if not text:
+            raise bad_request(field, f"stop strings must be non-empty (item {i} is empty)")
+        size = len(text.encode("utf-8", "surrogatepass"))
+        if size > limits.max_stop_string_bytes:
+            raise WorkerError(413, "stop_string_too_long",
+                              f"{field}[{i}]: {size} bytes exceeds limit max_stop_string_bytes="
+                              f"{limits.max_stop_string_bytes}", field)
+    return list(stop)
+
+
+def default_stop_ids(host: ModelHost) -> list[int]:
+    """EOS of the tokenizer and of the generation config (stop=None means: stop at end of turn)."""
+    ids = set()
+    if host.tokenizer.eos_token_id is not None:
+        ids.add(int(host.tokenizer.eos_token_id))
+    gen_eos = getattr(getattr(host.model, "generation_config", None), "eos_token_id", None)
+    if isinstance(gen_eos, int):
+        ids.add(gen_eos)
+    elif isinstance(gen_eos, (list, tuple)):
+        ids.update(int(x) for x in gen_eos)
+    return sorted(ids)
+
+
+def validate_data(op: ForwardOp, host: ModelHost, limits: Limits) -> list[dict[str, np.ndarray]]:
+    if not op.data:
+        raise bad_request("data", "training data cannot be empty")
+    required = losses.REQUIRED_INPUTS[op.loss_fn]
+    optional = losses.OPTIONAL_INPUTS[op.loss_fn]
+    out = []
+    total = 0
+    for i, datum in enumerate(op.data):
+        where = f"data[{i}]"
+        tokens = wire_array(datum.tokens, f"{where}.tokens")
+        if tokens.dtype != np.int64 or tokens.ndim != 1 or len(tokens) == 0:
+            raise bad_request(f"{where}.tokens", "must be a non-empty 1-D int64 tensor")
+        n = len(tokens)
+        total += n
+        if n > host.max_seq_len:
+            raise WorkerError(413, "sequence_too_long", f"{where}.tokens: {n} tokens exceeds limit "
+                                                        f"max_seq_len={host.max_seq_len}", f"{where}.tokens")
+        check_vocab(tokens, host.vocab_size, f"{where}.tokens", allow_ignore=False)
+        row = {"tokens": tokens}
+        for key in required + optional:
+            if key not in datum.loss_fn_inputs:
+                if key in required:
+                    raise bad_request(f"{where}.loss_fn_inputs.{key}",
+                                      f"required by loss {op.loss_fn!r} (needs {', '.join(required)})")
+                continue
+            row[key] = _loss_input(datum.loss_fn_inputs[key], key, n, f"{where}.loss_fn_inputs.{key}", host)
+        out.append(row)
+    if total > limits.max_tokens_per_request:
+        raise WorkerError(413, "request_too_large", f"data: {total} tokens exceeds limit "
+                                                    f"max_tokens_per_request={limits.max_tokens_per_request}", "data")
+    return out
+
+
+def _loss_input(tensor: WireTensor, key: str, n: int, where: str, host: ModelHost) -> np.ndarray:
+    value = wire_array(tensor, where)
+    if value.shape != (n,):
+        raise bad_request(where, f"must have shape [{n}] (the length of the tokens), got {list(value.shape)}")
+    if key == "target_tokens":
+        if value.dtype != np.int64:
+            raise bad_request(where, "must be int64 token ids")
+        check_vocab(value, host.vocab_size, where, allow_ignore=True)
+        return value
+    value = value.astype(np.float32)
+    if not np.isfinite(value).all():
+        bad = int(np.flatnonzero(~np.isfinite(value))[0])
+        raise bad_request(where, f"must be finite; position {bad} is {value[bad]}")
+    return value
+
+
+def wire_array(tensor: WireTensor, field_name: str) -> np.ndarray:
+    try:
+        return tensor.to_array()
+    except ValueError as exc:
+        raise bad_request(field_name, str(exc)) from None
+
+
+def check_vocab(ids: np.ndarray, vocab_size: int, field_name: str, allow_ignore: bool) -> None:
+    bad = (ids < 0) | (ids >= vocab_size)
+    if allow_ignore:
+        bad &= ids != losses.IGNORE_INDEX
+    if bad.any():
+        pos = int(np.flatnonzero(bad)[0])
+        hint = " (use -100 to ignore a position)" if allow_ignore else ""
+        raise bad_request(field_name, f"token id {int(ids[pos])} at position {pos} is outside the vocabulary "
+                                      f"[0, {vocab_size}){hint}", code="token_id_out_of_range")
+
+
+def check_adam(adam: AdamParams) -> AdamParams:
+    checks = [
+        ("learning_rate", adam.learning_rate >= 0, ">= 0"),
+        ("beta1", 0 <= adam.beta1 < 1, "in [0, 1)"),
+        ("beta2", 0 <= adam.beta2 < 1, "in [0, 1)"),
+        ("eps", adam.eps > 0, "> 0"),
+        ("weight_decay", adam.weight_decay >= 0, ">= 0"),
+        ("grad_clip_norm", adam.grad_clip_norm >= 0, ">= 0 (0 disables clipping)"),
+    ]
+    for name, ok, want in checks:
+        value = getattr(adam, name)
+        if not math.isfinite(value) or not ok:
+            raise bad_request(f"adam_params.{name}", f"must be finite and {want}, got {value}")
+    return adam

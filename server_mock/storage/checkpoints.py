@@ -1,0 +1,163 @@
+"""Checkpoints on disk: safetensors + JSON only (never pickle), addressed by opaque trio:// paths.
+
+Layout: ``<storage>/checkpoints/<run_id>/<kind>/<name>/`` with kind ``state`` (weights + Adam state) or
+``sampler`` (weights only). The weights are a standard PEFT adapter folder (``adapter_model.safetensors``
++ ``adapter_config.json``), so a saved adapter loads in plain PEFT or vLLM as-is. Writes go to a
+temporary folder that is fsynced and renamed into place: a checkpoint is whole or absent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from server_mock.errors import WorkerError, bad_request
+
+NAME_RE = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9_-])?$")
+RUN_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
+PATH_RE = re.compile(r"^trio://(?P<run>[^/]+)/(?P<kind>state|sampler)/(?P<name>[^/]+)$")
+KINDS = ("state", "sampler")
+
+
+@dataclass(frozen=True)
+class CheckpointRef:
+    run_id: str
+    kind: str
+    name: str
+
+    @property
+    def path(self) -> str:
+        return f"trio://{self.run_id}/{self.kind}/{self.name}"
+
+
+def parse_path(path: str, field: str = "path") -> CheckpointRef:
+    match = PATH_RE.match(path or "")
+    if not match or not RUN_RE.match(match["run"]) or not NAME_RE.match(match["name"]) or len(match["name"]) > 200:
+        raise bad_request(field, f"{path!r} is not a checkpoint path of this worker; expected trio://<run>/"
+                                 "<state|sampler>/<name> as returned by save_state/save_weights_for_sampler",
+                          code="invalid_checkpoint_path")
+    return CheckpointRef(match["run"], match["kind"], match["name"])
+
+
+def check_name(name: str, field: str = "name") -> str:
+    if not isinstance(name, str) or not NAME_RE.match(name) or len(name) > 200:
+        raise bad_request(field, f"invalid checkpoint name {name!r}: use letters, digits, '.', '_', '-', "
+                                 "starting with a letter or digit", code="invalid_checkpoint_name")
+    return name
+
+
+class CheckpointStore:
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        (self.root / "checkpoints").mkdir(parents=True, exist_ok=True)
+
+    def folder(self, ref: CheckpointRef) -> Path:
+        return self.root / "checkpoints" / ref.run_id / ref.kind / ref.name
+
+    def exists(self, ref: CheckpointRef) -> bool:
+        return (self.folder(ref) / "meta.json").exists()
+
+    def write(self, ref: CheckpointRef, meta: dict, tensors: dict[str, dict[str, torch.Tensor]],
+              files: dict[str, str], overwrite: bool = False) -> int:
+        """Write tensor files (name -> state dict) and text files atomically; return the size in bytes."""
+        final = self.folder(ref)
+        if final.exists() and not overwrite:
+            raise WorkerError(409, "checkpoint_exists", f"name: checkpoint {ref.path} already exists; "
+                                                        "pass overwrite=True or choose another name", "name")
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{ref.name}.tmp-", dir=final.parent))
+        try:
+            for filename, state in tensors.items():
+                save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(tmp / filename))
+            for filename, text in files.items():
+                (tmp / filename).write_text(text)
+            (tmp / "meta.json").write_text(json.dumps({**meta, "created_at": time.time()}, indent=1))
+            for item in tmp.iterdir():
+                _fsync(item)
+            _fsync(tmp)
+            if final.exists():
+                trash = final.with_name(f".{ref.name}.old-{os.getpid()}-{time.monotonic_ns()}")
+                os.rename(final, trash)
+                os.rename(tmp, final)
+                shutil.rmtree(trash, ignore_errors=True)
+            else:
+                os.rename(tmp, final)
+            _fsync(final.parent)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return sum(f.stat().st_size for f in final.iterdir())
+
+    def read_meta(self, ref: CheckpointRef) -> dict:
+        path = self.folder(ref) / "meta.json"
+        if not path.exists():
+            raise WorkerError(404, "checkpoint_not_found", f"path: no checkpoint at {ref.path}", "path")
+        return json.loads(path.read_text())
+
+    def read_tensors(self, ref: CheckpointRef, filename: str) -> dict[str, torch.Tensor]:
+        path = self.folder(ref) / filename
+        if not path.exists():
+            raise WorkerError(404, "checkpoint_incomplete", f"path: {ref.path} has no {filename}", "path")
+        return load_file(str(path))
+
+    def fingerprint(self, ref: CheckpointRef) -> dict[str, bytes]:
+        """Every tensor of a save_state checkpoint (weights and Adam state) as raw bytes, keyed by file and
+        name: two checkpoints are bit-identical exactly when their fingerprints are equal."""
+        out = {}
+        for filename in ("adapter_model.safetensors", "optimizer.safetensors"):
+            for name, tensor in self.read_tensors(ref, filename).items():
+                out[f"{filename}:{name}"] = tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        return out
+
+    def delete(self, ref: CheckpointRef) -> None:
+        if not self.exists(ref):
+            raise WorkerError(404, "checkpoint_not_found", f"path: no checkpoint at {ref.path}", "path")
+        shutil.rmtree(self.folder(ref))
+
+    def list(self, run_id: str | None = None) -> list[tuple[CheckpointRef, dict, int]]:
+        base = self.root / "checkpoints"
+        if run_id and not RUN_RE.match(run_id):
+            raise bad_request("training_run_id", f"invalid run id {run_id!r}")
+        runs = [base / run_id] if run_id else sorted(p for p in base.iterdir() if p.is_dir())
+        runs = [r for r in runs if r.is_dir()]
+        out = []
+        for run in runs:
+            for kind in KINDS:
+                folder = run / kind
+                if not folder.is_dir():
+                    continue
+                for ckpt in sorted(folder.iterdir()):
+                    if ckpt.name.startswith(".") or not (ckpt / "meta.json").exists():
+                        continue
+                    ref = CheckpointRef(run.name, kind, ckpt.name)
+                    size = sum(f.stat().st_size for f in ckpt.iterdir())
+                    out.append((ref, json.loads((ckpt / "meta.json").read_text()), size))
+        return out
+
+    def sweep_expired(self) -> int:
+        """Delete checkpoints whose ttl_seconds has passed; returns how many."""
+        removed = 0
+        now = time.time()
+        for ref, meta, _ in self.list():
+            ttl = meta.get("ttl_seconds")
+            if ttl and meta.get("created_at", now) + ttl < now:
+                shutil.rmtree(self.folder(ref), ignore_errors=True)
+                removed += 1
+        return removed
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

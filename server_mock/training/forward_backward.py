@@ -1,0 +1,128 @@
+"""Forward/backward over one call's datums: micro-batches within the token budget (prefix-shared or not), each
+target token's logprob, and the per-datum losses and the call's metrics."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from server_mock.errors import WorkerError
+from server_mock.training import losses, prefix_planning, prefix_sharing
+
+if TYPE_CHECKING:
+    from server_mock.engine.host import ModelHost
+
+
+def run_forward_backward(host: ModelHost, data: list[dict[str, np.ndarray]], loss_fn: str,
+                         config: dict[str, float], backward: bool) -> dict:
+    """Per-datum logprobs and losses of ``data`` with the host's active adapter; with ``backward`` the
+    summed loss's gradient accumulates. Datums sharing a prompt prefix run it once (prefix_sharing.py)."""
+    results = _Results(data, loss_fn, config, host.device)
+    passes = prefix_planning.plan([d["tokens"] for d in data], host.options.micro_batch_tokens,
+                                  host.options.prefix_share_min_tokens if host.prefix_sharing else 0)
+    with torch.set_grad_enabled(backward):
+        for batch, chunks in passes.shared:
+            prompts = np.stack([data[g.members[0]]["tokens"][:batch.prefix_len] for g in batch.groups])
+            shared = prefix_sharing.SharedPrefix(partial(host.logits, host.peft), host.model.config,
+                                                 host.cache_kwarg, torch.from_numpy(prompts).to(host.device))
+            for chunk in chunks:
+                indices = [i for i, _ in chunk]
+                which = torch.tensor([row for _, row in chunk], device=host.device)
+                results.add(indices, _shared_logprobs(host, shared, [data[i] for i in indices], which), backward)
+            if backward:
+                shared.backward()
+            del shared
+        for batch in passes.rest:
+            results.add(batch, _target_logprobs(host, [data[i] for i in batch]), backward)
+    return results.summary()
+
+
+def _target_logprobs(host: ModelHost, rows: list[dict[str, np.ndarray]]) -> torch.Tensor:
+    """float32 logprob of each target token, [B, T] (0 where the target is ignored or padding)."""
+    ids, attention = _padded([r["tokens"] for r in rows], host.device)
+    targets, _ = _padded([_targets(r) for r in rows], host.device)
+    return token_logprobs(host.logits(host.peft, input_ids=ids, attention_mask=attention, use_cache=False),
+                          targets)
+
+
+def _shared_logprobs(host: ModelHost, shared: prefix_sharing.SharedPrefix, rows: list[dict[str, np.ndarray]],
+                     which: torch.Tensor) -> torch.Tensor:
+    """Like ``_target_logprobs``, for rows that start with ``shared``'s prefixes (row i with prefix which[i])."""
+    n = shared.prefix_len
+    ids, attention = _padded([r["tokens"][n:] for r in rows], host.device)
+    targets, _ = _padded([_targets(r)[n:] for r in rows], host.device)
+    prefix_targets = torch.from_numpy(np.stack([_targets(r)[:n] for r in rows])).to(host.device)
+    return torch.cat([token_logprobs(shared.logits, prefix_targets, which),
+                      token_logprobs(shared.remainder_logits(ids, attention, which), targets)], dim=1)
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 log-probability of each target token: logits [B, T, V], targets [B, T] -> [B, T]. With ``rows``,
+    target row i reads logits row rows[i] (prefix logits shared by several datums, never copied per datum).
+    No second (B, T, V) tensor in the forward pass."""
+    logits = logits.float()
+    norm = torch.logsumexp(logits, dim=-1)
+    if rows is None:
+        return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - norm
+    positions = torch.arange(targets.shape[1], device=targets.device)
+    return logits[rows[:, None], positions[None, :], targets] - norm[rows]
+
+
+def _targets(datum: dict[str, np.ndarray]) -> np.ndarray:
+    """The datum's target tokens with ignored positions (-100) pointing at token 0 (masked by the loss)."""
+    t = datum["target_tokens"]
+    return np.where(t == losses.IGNORE_INDEX, 0, t).astype(np.int64)
+
+
+def _padded(rows: list[np.ndarray], device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded token rows [B, T] and their attention mask."""
+    longest = max(len(r) for r in rows)
+    ids = torch.zeros((len(rows), longest), dtype=torch.long)
+    attention = torch.zeros((len(rows), longest), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = torch.from_numpy(np.asarray(r, dtype=np.int64))
+        attention[i, :len(r)] = 1
+    return ids.to(device), attention.to(device)
+
+
+class _Results:
+    """Per-datum losses, logprobs and the call's metrics, filled one micro-batch at a time."""
+
+    def __init__(self, data: list[dict[str, np.ndarray]], loss_fn: str, config: dict[str, float], device: str):
+        self.data, self.loss_fn, self.config, self.device = data, loss_fn, config, device
+        self.outputs: list[dict[str, np.ndarray] | None] = [None] * len(data)
+        self.loss_sum = 0.0
+        self.token_count = 0
+
+    def add(self, indices: list[int], logprobs: torch.Tensor, backward: bool) -> None:
+        """Losses of the datums ``indices`` (row i of ``logprobs`` is datum indices[i]); backward of their sum."""
+        total = None
+        for row, index in enumerate(indices):
+            datum = self.data[index]
+            n = len(datum["tokens"])
+            inputs = {k: torch.from_numpy(v).to(self.device) for k, v in datum.items() if k != "tokens"}
+            result = losses.compute_loss(self.loss_fn, logprobs[row, :n], inputs, self.config)
+            if not torch.isfinite(result.loss):
+                raise WorkerError(422, "non_finite_loss",
+                                  f"data[{index}]: the loss is not finite; check logprobs/advantages", "data")
+            total = result.loss if total is None else total + result.loss
+            self.loss_sum += float(result.loss.detach())
+            self.token_count += result.token_count
+            mask = inputs["target_tokens"] != losses.IGNORE_INDEX
+            lp = torch.where(mask, logprobs[row, :n].detach(), torch.zeros_like(logprobs[row, :n]))
+            self.outputs[index] = {"logprobs": lp.float().cpu().numpy(),
+                                   "elementwise_loss": result.elementwise.float().cpu().numpy()}
+        if backward and total is not None and total.requires_grad:
+            total.backward()
+
+    def summary(self) -> dict:
+        metrics = {
+            "loss_sum": self.loss_sum,
+            "loss_mean": self.loss_sum / self.token_count if self.token_count else 0.0,
+            "token_count": float(self.token_count),
+            "loss:sum": self.loss_sum,
+        }
+        return {"outputs": self.outputs, "metrics": metrics}
