@@ -5,7 +5,7 @@ the two sides computing the same numbers differently: the sampler decodes one to
 KV cache, the trainer runs whole sequences. In bfloat16 every matmul rounds; the output head's rounding alone
 moves a logprob by ~1e-2. The worker computes the head in float32 by default (``--no-float32-head`` turns it off).
 
-Measured in process on the worker's own ``ModelHost``: sample a GRPO-like group per prompt, then score the
+Measured in process on the worker's own ``LocalModelHost``: sample a GRPO-like group per prompt, then score the
 same tokens with the trainer's forward pass (LoRA adapter attached, as in training).
 
     python benchmarks/precision_gap.py [--model HuggingFaceTB/SmolLM2-135M-Instruct] [--device cpu]
@@ -34,11 +34,11 @@ def measure(source: str, device: str, dtype_name: str, float32_head: bool, autoc
 
     from pytrio_compat.wire import LoraSpec
     from server_mock.config import TrainOptions
-    from server_mock.engine.host import ModelHost
+    from server_mock.engine.local_host import LocalModelHost
     from server_mock.sampling.generate import SampleSpec, generate_batch
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name]
-    host = ModelHost("m", source, device, dtype, options=TrainOptions(float32_head=float32_head,
+    host = LocalModelHost("m", source, device, dtype, options=TrainOptions(float32_head=float32_head,
                                                                       autocast_bf16=autocast))
     adapter = host.create_adapter("probe", LoraSpec(rank=16, seed=0))
     if prompt_ids is None:

@@ -1,6 +1,6 @@
 """forward_backward with GRPO prompts run once (prefix sharing) vs every datum in full, vs a hand-written PEFT loop.
 
-One ``ModelHost`` (SmolLM2-135M-Instruct, float32, LoRA rank 16 on attention, MLP and lm_head, the worker's
+One ``LocalModelHost`` (SmolLM2-135M-Instruct, float32, LoRA rank 16 on attention, MLP and lm_head, the worker's
 defaults) runs the same batch with prefix sharing on and off; the PEFT loop is ``train_throughput.peft_baseline``
 (length-sorted micro-batches, every datum in full) on the same PEFT model. Timings alternate between the three,
 medians are reported, in wall-clock seconds and in CPU seconds of the process (the latter is steadier on a
@@ -44,9 +44,9 @@ RANK = 16
 def load_host():
     from pytrio_compat.wire import LoraSpec
     from server_mock.config import TrainOptions
-    from server_mock.engine.host import ModelHost
+    from server_mock.engine.local_host import LocalModelHost
 
-    host = ModelHost("smol", SMOLLM2, "cpu", torch.float32, 8192, TrainOptions())
+    host = LocalModelHost("smol", SMOLLM2, "cpu", torch.float32, 8192, TrainOptions())
     adapter = host.create_adapter("bench", LoraSpec(rank=RANK, seed=0))
     return host, adapter
 

@@ -1,8 +1,7 @@
-"""The worker's HTTP app: routes, shared state, the browser guard and the background sweeper.
+"""The worker's HTTP app: the three protocols' routes, shared state, the browser guard and the background sweeper.
 
-Route handlers live in server_mock/routes/ (native /v1 API) and server_mock/tinker_api.py (/api/v1);
-they reach the service and the API keys through ``request.app.state``. Another route list is mounted
-by passing it as ``extra_routes``.
+Each protocol is a package under server_mock/api/: native (/v1), tinker (/api/v1) and openai (/api/openai/v1),
+all over the one ``WorkerService``. Another route list is mounted by passing it as ``extra_routes``.
 """
 
 from __future__ import annotations

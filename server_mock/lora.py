@@ -9,6 +9,7 @@ the model on the ``meta`` device) agree on the layout.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 import torch
@@ -86,3 +87,11 @@ def lora_config(groups: dict[str, str], spec: LoraSpec):
         raise bad_request("lora", "no Linear layers match train_mlp/train_attn/train_unembed for this model")
     return LoraConfig(r=spec.rank, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=targets,
                       bias="none"), tuple(targets)
+
+
+def peft_adapter_config(model_name: str, groups: dict[str, str], spec: LoraSpec) -> str:
+    """The ``adapter_config.json`` of a saved adapter: PEFT's config, naming the base model it was trained on."""
+    config, _ = lora_config(groups, spec)
+    data = config.to_dict()
+    data["base_model_name_or_path"] = model_name
+    return json.dumps(data, indent=1, default=lambda o: sorted(o) if isinstance(o, set) else str(o))

@@ -1,6 +1,6 @@
 """The code that runs inside the cluster's actor processes: trainer ranks and sampler replicas.
 
-Each actor holds its own copy of the base model in a ``ModelHost``. A ``WorkerError`` (a request's
+Each actor holds its own copy of the base model in a ``LocalModelHost``. A ``WorkerError`` (a request's
 fault, e.g. a non-finite loss) comes back as a ``Refusal`` value rather than a Ray task error, so the
 front end can answer it exactly as the in-process worker does.
 """
@@ -19,7 +19,7 @@ import torch
 from pytrio_compat.wire import AdamParams, LoraSpec
 from server_mock.cluster import data_parallel
 from server_mock.config import TrainOptions
-from server_mock.engine.host import ModelHost
+from server_mock.engine.local_host import LocalModelHost
 from server_mock.errors import WorkerError
 
 
@@ -45,12 +45,12 @@ def _refusing(fn):
 
 
 def _host(name: str, source: str, device: str, dtype: str, max_seq_len: int | None, options: TrainOptions,
-          threads: int) -> ModelHost:
+          threads: int) -> LocalModelHost:
     torch.set_num_threads(max(1, threads))
     # the same known, harmless library notices the CLI silences in the front end
     warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
-    return ModelHost(name, source, device, getattr(torch, dtype), max_seq_len, options)
+    return LocalModelHost(name, source, device, getattr(torch, dtype), max_seq_len, options)
 
 
 class TrainerRank:
@@ -81,18 +81,7 @@ class TrainerRank:
 
     def delete(self, run_id: str) -> None:
         self._grads_before.pop(run_id, None)
-        adapter = self.host.adapters.pop(run_id, None)
-        if adapter is not None:
-            for param in adapter.params.values():
-                param.grad = None
-        peft = self.host.peft
-        if peft is None:
-            return
-        unused = [n for n in peft.peft_config if n.startswith("run-") and n not in self.host.adapters]
-        if len(unused) == len(peft.peft_config):
-            unused = unused[1:]  # PEFT cannot drop its last adapter cleanly: one stays until another exists
-        for adapter_name in unused:
-            self.host.delete_adapter(adapter_name)
+        self.host.drop_adapter(run_id)
 
     def _adapter(self, run_id: str):
         adapter = self.host.adapters.get(run_id)

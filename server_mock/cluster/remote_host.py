@@ -21,10 +21,10 @@ from server_mock.cluster import data_parallel
 from server_mock.cluster.sampler_pool import SamplerPool
 from server_mock.cluster.trainer_group import GroupLost, TrainerGroup, raise_refusals
 from server_mock.config import TrainOptions
-from server_mock.engine.host import ModelHost
+from server_mock.engine.host import default_stop_ids
 from server_mock.engine.queue import ModelQueue
 from server_mock.errors import WorkerError
-from server_mock.lora import Snapshot
+from server_mock.lora import Layer, Snapshot, linear_groups, lora_config, model_layout, peft_adapter_config
 from server_mock.storage.checkpoints import CheckpointStore
 
 logger = logging.getLogger("server_mock")
@@ -42,20 +42,6 @@ class RemoteAdapter:
     group: TrainerGroup
     optim_steps: int = 0
     params: dict = field(default_factory=dict)  # none here (fault injection hooks have nothing to wrap)
-
-
-class _RunTable(dict):
-    """``host.adapters``: dropping a run (``pop``, as deleting a run does) also frees it on its trainers."""
-
-    def __init__(self, host: "RemoteModelHost") -> None:
-        super().__init__()
-        self._host = host
-
-    def pop(self, key, *default):
-        if key in self:
-            self._host.delete_adapter(key)
-            return None
-        return default[0] if default else super().pop(key)
 
 
 class ReplicaQueue(ModelQueue):
@@ -98,14 +84,10 @@ def _meta_model(source: str):
 
 
 class RemoteModelHost:
-    # the LoRA layout and adapter config come from the module tree alone, as in ModelHost
-    _lora_config = ModelHost._lora_config
-    peft_adapter_config = ModelHost.peft_adapter_config
+    """A ``ModelHost`` (engine/host.py) whose model lives on Ray actors (see the module docstring)."""
 
     def __init__(self, cluster, name: str, source: str, dtype: torch.dtype, max_seq_len: int | None,
                  options: TrainOptions) -> None:
-        from server_mock.lora import linear_groups
-
         config = cluster.config
         self.cluster = cluster
         self.name = name
@@ -117,8 +99,7 @@ class RemoteModelHost:
         self._linear_groups = linear_groups(self.model)
         ctx = getattr(self.model.config, "max_position_embeddings", None)
         self.max_seq_len = min(x for x in (max_seq_len, ctx) if x) if (max_seq_len or ctx) else None
-        self.peft = None
-        self.adapters = _RunTable(self)
+        self.adapters: dict[str, RemoteAdapter] = {}
         self.store = CheckpointStore(cluster.storage)
         self.prefix = f"{name}-{uuid.uuid4().hex[:8]}"  # the actors' names: PREFIX/sampler-i, PREFIX/trainer-gG-rR
         self._host_args = (name, self.source_dir, config.device, str(dtype).removeprefix("torch."), max_seq_len,
@@ -131,6 +112,24 @@ class RemoteModelHost:
         self.pool = SamplerPool(self.prefix, config, self._host_args)
         self.groups = [TrainerGroup.start(i, self.prefix, config, self._host_args)
                        for i in range(config.trainer_groups)]
+
+    # --- what the model is (read from the module tree alone, as the local host does) -------------------
+
+    @property
+    def model_type(self) -> str:
+        return getattr(self.model.config, "model_type", type(self.model).__name__)
+
+    def stop_token_ids(self) -> list[int]:
+        return default_stop_ids(self.tokenizer, getattr(self.model, "generation_config", None))
+
+    def lora_layout(self) -> dict[str, Layer]:
+        return model_layout(self.model, self._linear_groups)
+
+    def lora_targets(self, spec) -> tuple[str, ...]:
+        return lora_config(self._linear_groups, spec)[1]
+
+    def peft_adapter_config(self, spec) -> str:
+        return peft_adapter_config(self.name, self._linear_groups, spec)
 
     def sampling_queue(self, loop) -> ReplicaQueue:
         return ReplicaQueue(f"{self.name}:sampling", loop, len(self.pool.replicas))
@@ -194,11 +193,11 @@ class RemoteModelHost:
             raise WorkerError(503, "trainer_lost", f"the trainer group for the new run died ({exc}); retry") from None
         adapter = RemoteAdapter(adapter_id, spec, seed, group)
         group.runs.add(adapter_id)
-        dict.__setitem__(self.adapters, adapter_id, adapter)
+        self.adapters[adapter_id] = adapter
         return adapter
 
-    def delete_adapter(self, adapter_id: str) -> None:
-        adapter = dict.pop(self.adapters, adapter_id, None)
+    def drop_adapter(self, adapter_id: str) -> None:
+        adapter = self.adapters.pop(adapter_id, None)
         if adapter is None:
             return
         adapter.group.runs.discard(adapter_id)

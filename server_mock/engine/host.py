@@ -1,245 +1,83 @@
-"""LoRA adapters on one shared base model: forward/backward with the named losses (forward_backward.py),
-AdamW (adamw.py), snapshots.
+"""``ModelHost``: what the service may ask of one served base model, wherever the model runs.
 
-One ``ModelHost`` per base model. Every method here runs on that model's single worker thread (see
-engine.py), so switching the active PEFT adapter between requests is safe without locks.
+Two implementations: ``LocalModelHost`` (engine/local_host.py, the model in this process) and
+``RemoteModelHost`` (cluster/remote_host.py, the model on Ray actors). The service holds hosts only through
+this protocol, so nothing above the engine reaches into PEFT or a model's modules. Every method that touches
+the model runs on the model's queue thread (engine/queue.py); the attributes are fixed once the host exists.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import logging
-import secrets
-import time
-from functools import partial
+from typing import Any, Protocol
 
-import numpy as np
 import torch
-from torch import nn
 
 from pytrio_compat.wire import AdamParams, LoraSpec
 from server_mock.config import TrainOptions
-from server_mock.engine import support
-from server_mock.engine.loading import load_model_and_tokenizer
-from server_mock.errors import bad_request
-from server_mock.lora import Adapter, Snapshot, linear_groups, lora_config
-from server_mock.training import adamw, prefix_cache, prefix_sharing
-from server_mock.training.forward_backward import run_forward_backward, token_logprobs
-
-logger = logging.getLogger("server_mock")
+from server_mock.lora import Layer, Snapshot
 
 
-class ModelHost:
-    def __init__(self, name: str, source: str, device: str, dtype: torch.dtype, max_seq_len: int | None = None,
-                 options: TrainOptions | None = None):
-        options = options or TrainOptions()
-        self.name = name
-        self.options = options
-        self.device = device
-        self.dtype = dtype
-        self.model, self.tokenizer, self.source_dir = load_model_and_tokenizer(source, device, dtype)
-        self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
-        self._linear_groups = linear_groups(self.model)  # read before PEFT wraps the layers
-        if not any(group != "train_unembed" for group in self._linear_groups.values()):
-            raise support.refuse(self.model.config.model_type,
-                                       "LoRA needs nn.Linear attention or MLP layers and this model has none")
-        if options.float32_head:
-            support.use_float32_head(self.model)
-        self.sampling_support = support.probe_sampling(self.model, self.vocab_size)
-        ctx = getattr(self.model.config, "max_position_embeddings", None)
-        self.max_seq_len = min(x for x in (max_seq_len, ctx) if x) if (max_seq_len or ctx) else None
-        if options.activation_checkpointing:
-            # recompute activations in backward: memory falls with sequence length x layers, time rises ~30%
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.prefix_sharing = self._probe_prefix_sharing()
-        self.peft = None
-        self.adapters: dict[str, Adapter] = {}
-        self._slots: dict[str, str] = {}  # sampler slot adapter name -> snapshot id loaded in it
+class ModelHost(Protocol):
+    name: str
+    device: str
+    options: TrainOptions
+    tokenizer: Any
+    source_dir: str  # the folder the model was loaded from
+    vocab_size: int
+    max_seq_len: int | None
 
-    # --- adapters ---------------------------------------------------------------------------------
+    @property
+    def model_type(self) -> str:
+        """The transformers ``model_type`` (e.g. ``qwen3``)."""
 
-    def _lora_config(self, spec: LoraSpec):
-        return lora_config(self._linear_groups, spec)
+    def stop_token_ids(self) -> list[int]:
+        """The ids that end a turn when a sample request names none."""
 
-    def _add_peft_adapter(self, name: str, spec: LoraSpec, seed: int) -> None:
-        from peft import get_peft_model
+    def lora_layout(self) -> dict[str, Layer]:
+        """Every LoRA-able Linear layer, by name."""
 
-        config, _ = self._lora_config(spec)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            if self.peft is None:
-                self.peft = get_peft_model(self.model, config, adapter_name=name)
-            else:
-                self.peft.add_adapter(name, config)
-        self.peft.eval()
-
-    def create_adapter(self, adapter_id: str, spec: LoraSpec) -> Adapter:
-        seed = spec.seed if spec.seed is not None else secrets.randbits(31)
-        self._add_peft_adapter(adapter_id, spec, seed)
-        adapter = Adapter(adapter_id, spec, seed)
-        marker = f".{adapter_id}."
-        for pname, param in self.peft.named_parameters():
-            if marker in pname:
-                adapter.params[pname] = param
-        adapter.params = dict(sorted(adapter.params.items()))
-        for pname, param in adapter.params.items():
-            param.data = param.data.float()  # master weights and Adam state in float32
-            adapter.exp_avg[pname] = torch.zeros_like(param, dtype=torch.float32)
-            adapter.exp_avg_sq[pname] = torch.zeros_like(param, dtype=torch.float32)
-        self.adapters[adapter_id] = adapter
-        return adapter
-
-    def delete_adapter(self, adapter_id: str) -> None:
-        self.adapters.pop(adapter_id, None)
-        if self.peft is not None and adapter_id in self.peft.peft_config:
-            self.peft.delete_adapter(adapter_id)
-
-    def _activate(self, adapter: Adapter) -> None:
-        self.peft.set_adapter(adapter.adapter_id)
-        for param in adapter.params.values():
-            param.requires_grad_(True)
-
-    # --- forward / backward ---------------------------------------------------------------------------
-
-    def forward_backward(self, adapter: Adapter, data: list[dict[str, np.ndarray]], loss_fn: str,
-                         config: dict[str, float], backward: bool) -> dict:
-        """Per-datum logprobs and losses; with ``backward`` the summed loss's gradient accumulates.
-
-        If anything fails midway, the gradients accumulated before this call are restored, so a failed
-        request leaves the adapter exactly as it was.
-        """
-        self._activate(adapter)
-        saved = {n: (p.grad.clone() if p.grad is not None else None) for n, p in adapter.params.items()}
-        try:
-            return run_forward_backward(self, data, loss_fn, config, backward)
-        except BaseException:
-            for name, param in adapter.params.items():
-                param.grad = saved[name]
-            raise
-
-    def logits(self, model: nn.Module, **inputs) -> torch.Tensor:
-        """The model's logits for ``inputs``, under the configured autocast and activation checkpointing."""
-        checkpointing = self.options.activation_checkpointing and torch.is_grad_enabled()
-        if checkpointing:
-            model.train()  # transformers only checkpoints in train mode; LoRA dropout is 0 here
-        try:
-            with torch.autocast(device_type=torch.device(self.device).type, dtype=torch.bfloat16,
-                                enabled=self.options.autocast_bf16):
-                return model(**inputs).logits
-        finally:
-            if checkpointing:
-                model.eval()
-
-    def _probe_prefix_sharing(self) -> bool:
-        """Whether forward/backward may share prefixes on this model: decided once, on a few random tokens."""
-        if self.options.prefix_share_min_tokens <= 0:
-            return False
-        model_type = getattr(self.model.config, "model_type", type(self.model).__name__)
-        self.cache_kwarg = prefix_cache.cache_kwarg(self.model)
-        if self.options.activation_checkpointing:
-            # The shared path's caches store nothing and return the same states when a checkpointed layer is run
-            # again in backward, so layers may keep their cache under checkpointing.
-            for module in self.model.modules():
-                if hasattr(module, "_can_checkpoint_with_cache"):
-                    module._can_checkpoint_with_cache = True
-        why_not = prefix_sharing.probe(self.model, partial(self.logits, self.model), token_logprobs,
-                                       self.vocab_size, half_precision=self.options.autocast_bf16)
-        if why_not:
-            logger.warning("model type %s: forward/backward does not share prompt prefixes (%s); every datum runs "
-                           "its full sequence (correct, slower)", model_type, why_not)
-            return False
-        logger.info("model type %s: forward/backward runs prefixes shared by >= %d tokens once", model_type,
-                    self.options.prefix_share_min_tokens)
-        return True
-
-    # --- optimizer --------------------------------------------------------------------------------------
-
-    def optim_step(self, adapter: Adapter, adam: AdamParams) -> dict[str, float]:
-        """AdamW, the same update as ``torch.optim.AdamW`` (adamw.py), then gradients reset."""
-        return adamw.optim_step(adapter, adam)
-
-    # --- state ------------------------------------------------------------------------------------------
-
-    def adapter_weights(self, adapter: Adapter) -> dict[str, torch.Tensor]:
-        from peft import get_peft_model_state_dict
-
-        return {k: v.detach().clone() for k, v in
-                get_peft_model_state_dict(self.peft, adapter_name=adapter.adapter_id,
-                                          save_embedding_layers=False).items()}
-
-    def load_adapter_weights(self, adapter: Adapter, tensors: dict[str, torch.Tensor]) -> None:
-        expected = set(self.adapter_weights(adapter))
-        if set(tensors) != expected:
-            raise bad_request("path", "checkpoint tensors do not match this adapter's layout "
-                                      f"({len(tensors)} vs {len(expected)} tensors)", code="checkpoint_mismatch")
-        self._set_peft_weights(adapter.adapter_id, tensors)
-        for param in adapter.params.values():
-            param.grad = None
-        adapter.version += 1
-
-    def _set_peft_weights(self, adapter_name: str, tensors: dict[str, torch.Tensor]) -> None:
-        from peft import set_peft_model_state_dict
-
-        set_peft_model_state_dict(self.peft, {k: v.to(self.device) for k, v in tensors.items()},
-                                  adapter_name=adapter_name)
-
-    def optimizer_state(self, adapter: Adapter) -> dict[str, torch.Tensor]:
-        return adamw.optimizer_state(adapter)
-
-    def load_optimizer_state(self, adapter: Adapter, state: dict[str, torch.Tensor] | None) -> None:
-        adamw.load_optimizer_state(adapter, state, self.device)
-
-    def snapshot(self, adapter: Adapter) -> Snapshot:
-        _, targets = self._lora_config(adapter.spec)
-        tensors = self.adapter_weights(adapter)
-        digest = hashlib.sha256(f"{adapter.adapter_id}:{adapter.version}:{secrets.token_hex(4)}".encode()).hexdigest()
-        return Snapshot(digest[:16], adapter.spec, targets, tensors)
+    def lora_targets(self, spec: LoraSpec) -> tuple[str, ...]:
+        """The layers a LoRA of ``spec`` covers."""
 
     def peft_adapter_config(self, spec: LoraSpec) -> str:
-        config, _ = self._lora_config(spec)
-        data = config.to_dict()
-        data["base_model_name_or_path"] = self.name
-        return json.dumps(data, indent=1, default=lambda o: sorted(o) if isinstance(o, set) else str(o))
+        """``adapter_config.json`` for a saved adapter of ``spec``."""
 
-    # --- sampling ---------------------------------------------------------------------------------------
+    # --- a run's adapter (the returned object is opaque to callers but for ``seed`` and ``optim_steps``)
+
+    def create_adapter(self, adapter_id: str, spec: LoraSpec) -> Any: ...
+
+    def drop_adapter(self, adapter_id: str) -> None: ...
+
+    def forward_backward(self, adapter: Any, data: list[dict], loss_fn: str, config: dict[str, float],
+                         backward: bool) -> dict:
+        """Per-datum outputs (numpy arrays) and the call's metrics; with ``backward`` gradients accumulate."""
+
+    def optim_step(self, adapter: Any, adam: AdamParams) -> dict[str, float]: ...
+
+    def adapter_weights(self, adapter: Any) -> dict[str, torch.Tensor]: ...
+
+    def load_adapter_weights(self, adapter: Any, tensors: dict[str, torch.Tensor]) -> None: ...
+
+    def optimizer_state(self, adapter: Any) -> dict[str, torch.Tensor]: ...
+
+    def load_optimizer_state(self, adapter: Any, state: dict[str, torch.Tensor] | None) -> None: ...
+
+    def snapshot(self, adapter: Any) -> Snapshot: ...
+
+    # --- sampling
 
     def sample_batch(self, snapshot: Snapshot | None, specs: list, timings: dict[str, float]) -> list:
-        """Generate for every spec as one batch with the snapshot's weights (None: the base model); the time to
-        load the weights goes in ``timings["load_weights"]``, prefill and decode times beside it."""
-        from server_mock.sampling.generate import generate_batch
-
-        started = time.perf_counter()
-        model = self.sampling_model(snapshot)
-        timings["load_weights"] = time.perf_counter() - started
-        return generate_batch(model, specs, self.tokenizer, timings, self.sampling_support)
-
-    def sampling_model(self, snapshot: Snapshot | None) -> nn.Module:
-        """The model to generate with: the base model, or a sampler slot holding the snapshot's weights.
-
-        Slots are PEFT adapters reserved for sampling, one per LoRA layout; a slot is reloaded only when
-        a different snapshot asks for it, so a GRPO step's many sample calls copy the weights once.
-        """
-        if snapshot is None:
-            return _BaseOnly(self.peft) if self.peft is not None else self.model
-        layout = hashlib.sha256(repr((snapshot.spec.rank, snapshot.target_modules)).encode()).hexdigest()[:12]
-        slot = f"sampler-slot-{layout}"
-        if self.peft is None or slot not in self.peft.peft_config:
-            self._add_peft_adapter(slot, snapshot.spec, 0)
-        if self._slots.get(slot) != snapshot.snapshot_id:
-            self._set_peft_weights(slot, snapshot.tensors)
-            self._slots[slot] = snapshot.snapshot_id
-        self.peft.set_adapter(slot)
-        return self.peft
+        """Generate for every ``SampleSpec`` as one batch with the snapshot's weights (None: the base model)."""
 
 
-class _BaseOnly(nn.Module):
-    """Calls a PeftModel with every adapter disabled (the plain base model)."""
-
-    def __init__(self, peft_model: nn.Module) -> None:
-        super().__init__()
-        self.inner = peft_model
-
-    def forward(self, *args, **kwargs):
-        with self.inner.disable_adapter():
-            return self.inner(*args, **kwargs)
+def default_stop_ids(tokenizer, generation_config) -> list[int]:
+    """EOS of the tokenizer and of the generation config (stop=None means: stop at end of turn)."""
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gen_eos = getattr(generation_config, "eos_token_id", None)
+    if isinstance(gen_eos, int):
+        ids.add(gen_eos)
+    elif isinstance(gen_eos, (list, tuple)):
+        ids.update(int(x) for x in gen_eos)
+    return sorted(ids)

@@ -1,7 +1,5 @@
-"""Requests and their execution: every request gets an id at once; the torch work for one base model
-runs on that model's own thread, in arrival order, so the HTTP loop never blocks on torch.
-
-Results are kept for ``result_ttl`` seconds after they finish (long-polled by clients), then dropped.
+"""Jobs and their execution: the torch work for one base model runs on that model's own thread, tenants
+served in turn, so the HTTP loop never blocks on torch. ``job_result`` is how every caller waits for a job.
 """
 
 from __future__ import annotations
@@ -17,7 +15,6 @@ from typing import Any, Callable
 
 import torch
 
-from pytrio_compat.wire import ErrorBody, RequestStatus
 from server_mock.errors import WorkerError
 
 logger = logging.getLogger("server_mock")
@@ -31,7 +28,7 @@ class Job:
     owner: str = ""
     status: str = "queued"
     result: dict | None = None
-    error: ErrorBody | None = None
+    error: WorkerError | None = None
     created: float = field(default_factory=time.monotonic)
     started: float | None = None
     finished: float | None = None
@@ -41,14 +38,8 @@ class Job:
     payload: Any = None
     batch_fn: Callable[[list[Any]], list[dict]] | None = None
     batch_cost: int = 0
-
-    def to_status(self, queue_position: int | None = None) -> RequestStatus:
-        now = time.monotonic()
-        queued = (self.started if self.started is not None else now) - self.created
-        ran = None if self.started is None else (self.finished if self.finished is not None else now) - self.started
-        return RequestStatus(request_id=self.request_id, status=self.status, result=self.result, error=self.error,
-                             queue_position=queue_position, kind=self.kind, queue_seconds=round(queued, 6),
-                             run_seconds=None if ran is None else round(ran, 6))
+    # The submitter's conversion of the result to its wire form, run once on the model thread (None: as is).
+    encode: Callable[[dict], dict] | None = None
 
 
 class ModelQueue:
@@ -167,20 +158,21 @@ class ModelQueue:
 
     def _execute(self, job: Job) -> None:
         try:
-            self._finish(job, result=job.fn())
+            result = job.fn()
+            self._finish(job, result=job.encode(result) if job.encode is not None else result)
         except WorkerError as exc:
-            self._finish(job, error=ErrorBody(code=exc.code, message=exc.message, field=exc.field))
+            self._finish(job, error=exc)
         except torch.OutOfMemoryError as exc:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-            self._finish(job, error=ErrorBody(code="out_of_memory", message=f"out of memory while running {job.kind}: "
-                                              f"{exc} (reduce the batch or sequence length)"))
+            self._finish(job, error=WorkerError(500, "out_of_memory", f"out of memory while running {job.kind}: "
+                                                f"{exc} (reduce the batch or sequence length)"))
         except Exception as exc:  # noqa: BLE001 - the error goes back to this request only
             logger.error("request %s (%s) failed:\n%s", job.request_id, job.kind, traceback.format_exc())
-            self._finish(job, error=ErrorBody(code="internal_error", message=f"{job.kind} failed: "
-                                              f"{type(exc).__name__}: {exc}"))
+            self._finish(job, error=WorkerError(500, "internal_error", f"{job.kind} failed: "
+                                                f"{type(exc).__name__}: {exc}"))
 
-    def _finish(self, job: Job, result: dict | None = None, error: ErrorBody | None = None) -> None:
+    def _finish(self, job: Job, result: dict | None = None, error: WorkerError | None = None) -> None:
         job.finished = time.monotonic()
         if result is not None and isinstance(result.get("metrics"), dict):
             # where the time went, per request: waiting for the model, then running on it
@@ -188,12 +180,34 @@ class ModelQueue:
             result["metrics"]["time/run"] = job.finished - (job.started or job.finished)
         job.result, job.error = result, error
         job.status = "failed" if error is not None else "succeeded"
-        job.fn, job.payload, job.batch_fn = _done, None, None  # drop references to request tensors
+        job.fn, job.payload, job.batch_fn, job.encode = _done, None, None, None  # drop request tensors
         if job.done is not None:
             self.loop.call_soon_threadsafe(job.done.set)
 
 
 def _done() -> dict:
     return {}
+
+
+SERVER_ERROR_CODES = {"internal_error", "out_of_memory"}
+
+
+async def job_result(job: Job, convert: Callable[[dict], Any] | None = None) -> Any:
+    """Wait for a job; its result through ``convert`` (which may be async), or its error as a WorkerError:
+    500 for the worker's own failures (``SERVER_ERROR_CODES``), 400 for anything the request caused."""
+    if job.done is not None:
+        await job.done.wait()
+    if job.status == "failed":
+        err = job.error
+        if err is None:
+            raise WorkerError(500, "internal_error", f"{job.kind} failed")
+        raise WorkerError(500 if err.code in SERVER_ERROR_CODES else 400, err.code, err.message, err.field)
+    result = job.result or {}
+    if convert is None:
+        return result
+    out = convert(result)
+    if asyncio.iscoroutine(out):
+        out = await out
+    return out
 
 

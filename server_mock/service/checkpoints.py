@@ -1,6 +1,8 @@
-"""Checkpoints as a tenant sees them: owned paths, their config, listing and deletion.
+"""Checkpoints as a tenant sees them: owned paths (on disk or in-memory snapshots), their config, listing and
+deletion, and the saving and loading of a run's weights (on the model's thread).
 
-Every method here reads the disk: route handlers call them through ``asyncio.to_thread``.
+Every method here reads or writes the disk: route handlers call them through ``asyncio.to_thread``, and the
+save/load work runs on the model's queue thread.
 """
 
 from __future__ import annotations
@@ -10,13 +12,17 @@ import hashlib
 from pytrio_compat.wire import CheckpointConfig, CheckpointEntry, CheckpointList, LoraSpec, SaveOp
 from server_mock.engine.host import ModelHost
 from server_mock.errors import WorkerError, not_found
-from server_mock.storage.checkpoints import CheckpointRef, parse_path
+from server_mock.lora import Snapshot
+from server_mock.service.quotas import TenantLRU
+from server_mock.storage.checkpoints import CheckpointRef, CheckpointStore, parse_path
 
 
-class CheckpointsMixin:
-    """Part of WorkerService: needs ``store`` and ``snapshots``."""
+class Checkpoints:
+    def __init__(self, store: CheckpointStore, snapshots: TenantLRU[tuple[str, Snapshot]]) -> None:
+        self.store = store
+        self.snapshots = snapshots  # sampler path -> (base model, weights) kept in memory, per tenant
 
-    def _owned_ref(self, path: str, tenant: str, field_name: str) -> CheckpointRef:
+    def owned_ref(self, path: str, tenant: str, field_name: str) -> CheckpointRef:
         """The checkpoint (on disk or an in-memory snapshot) at ``path`` if it is this tenant's; else 404."""
         ref = parse_path(path, field_name)
         owner = self.snapshots.owner(path)
@@ -32,14 +38,14 @@ class CheckpointsMixin:
             raise WorkerError(404, "checkpoint_not_found", f"{field_name}: no checkpoint at {path}", field_name)
         return ref
 
-    def checkpoint_config(self, path: str, tenant: str) -> CheckpointConfig:
-        ref = self._owned_ref(path, tenant, "path")
+    def config(self, path: str, tenant: str) -> CheckpointConfig:
+        ref = self.owned_ref(path, tenant, "path")
         meta = self.store.read_meta(ref)
         return CheckpointConfig(path=path, kind=ref.kind, base_model=meta["base_model"],
                                 lora=LoraSpec.model_validate(meta["lora"]),
                                 has_optimizer=meta.get("has_optimizer", False))
 
-    def list_checkpoints(self, tenant: str, training_run_id: str | None) -> CheckpointList:
+    def list(self, tenant: str, training_run_id: str | None) -> CheckpointList:
         entries = []
         for ref, meta, size in self.store.list(training_run_id):
             if meta.get("tenant", "") != tenant:
@@ -49,17 +55,19 @@ class CheckpointsMixin:
                                            size_bytes=size))
         return CheckpointList(checkpoints=entries)
 
-    def delete_checkpoint(self, path_or_id: str, tenant: str) -> None:
+    def delete(self, path_or_id: str, tenant: str) -> None:
         if not path_or_id.startswith("trio://"):
-            matches = [c.path for c in self.list_checkpoints(tenant, None).checkpoints if c.checkpoint_id == path_or_id]
+            matches = [c.path for c in self.list(tenant, None).checkpoints if c.checkpoint_id == path_or_id]
             if not matches:
                 raise not_found("checkpoint", path_or_id)
             path_or_id = matches[0]
-        ref = self._owned_ref(path_or_id, tenant, "path")
+        ref = self.owned_ref(path_or_id, tenant, "path")
         self.store.delete(ref)
         self.snapshots.pop(ref.path)
 
-    def _check_compatible(self, run, meta: dict) -> None:
+    @staticmethod
+    def check_compatible(run, meta: dict) -> None:
+        """A checkpoint loaded into ``run`` must have the run's base model and LoRA layout."""
         spec = LoraSpec.model_validate(meta["lora"])
         mismatches = [f for f in ("rank", "train_mlp", "train_attn", "train_unembed")
                       if getattr(spec, f) != getattr(run.spec, f)]
@@ -71,7 +79,7 @@ class CheckpointsMixin:
 
     # --- on the model's thread: save and load a run's weights (and Adam state) ---
 
-    def _save(self, run, host: ModelHost, op: SaveOp) -> dict:
+    def save(self, run, host: ModelHost, op: SaveOp) -> dict:
         adapter = run.adapter
         kind = "state" if op.op == "save_state" else "sampler"
         ref = CheckpointRef(run.run_id, kind, op.name)
@@ -92,7 +100,7 @@ class CheckpointsMixin:
             self.snapshots.pop(ref.path)  # a re-save must not serve the old weights
         return {"path": ref.path, "size": size, "model": run.base_model}
 
-    def _load(self, run, host: ModelHost, ref: CheckpointRef, with_optimizer: bool) -> dict:
+    def load(self, run, host: ModelHost, ref: CheckpointRef, with_optimizer: bool) -> dict:
         weights = self.store.read_tensors(ref, "adapter_model.safetensors")
         state = self.store.read_tensors(ref, "optimizer.safetensors") if with_optimizer else None
         before = host.adapter_weights(run.adapter)

@@ -1,30 +1,25 @@
 """Training runs: create, look up, delete, and accept their ops in seq_id order.
 
-A run belongs to one tenant; its ops go to the tenant's lane of the model queue (engine.py), so they
-run in seq_id order while other tenants' requests interleave with them.
+A run belongs to one tenant; its ops go to the tenant's lane of the model queue (engine/queue.py), so they
+run in seq_id order while other tenants' requests interleave with them. A front end that orders a run's ops
+itself (Tinker's per-model gate) hands them over with ``seq_id=None``: next in order.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
-from pytrio_compat.wire import (
-    Accepted,
-    CreateTrainingRun,
-    ForwardOp,
-    LoadOp,
-    LoraSpec,
-    ModelOperationCapabilities,
-    OptimStepOp,
-    SaveOp,
-    TrainingOp,
-    TrainingRunInfo,
-)
-from server_mock.engine.requests import run_id
+from pytrio_compat.wire import CreateTrainingRun, LoadOp, LoraSpec, OptimStepOp, SaveOp
+from server_mock.config import Limits
+from server_mock.engine.queue import Job
+from server_mock.engine.requests import RequestStore, run_id
 from server_mock.errors import WorkerError, bad_request, not_found
-from server_mock.lora import Adapter
-from server_mock.service.ops import PreparedOp, hash_and_prepare, op_digest, prepare_forward
+from server_mock.service.checkpoints import Checkpoints
+from server_mock.service.models import Models
+from server_mock.service.ops import ForwardBatch, PreparedOp, prepare_forward
 from server_mock.service.quotas import check_queued
 from server_mock.service.validation import check_adam
 from server_mock.storage.checkpoints import check_name
@@ -36,14 +31,36 @@ class TrainingRun:
     tenant: str
     base_model: str
     spec: LoraSpec
-    adapter: Adapter
+    adapter: Any  # the host's adapter object
     last_seq: int = 0
     seqs: dict[int, tuple[str, str]] = field(default_factory=dict)  # seq_id -> (request_id, body hash)
     admitting: asyncio.Lock = field(default_factory=asyncio.Lock)  # ops from the network, one at a time
 
 
-class RunsMixin:
-    """Part of WorkerService: training runs and their ops."""
+@dataclass(frozen=True)
+class Admission:
+    """An op accepted by ``Runs.submit``: its request, and its job (None for a resend whose job is gone)."""
+
+    request_id: str
+    job: Job | None
+    duplicate: bool = False
+
+
+Op = ForwardBatch | OptimStepOp | SaveOp | LoadOp
+
+
+class Runs:
+    def __init__(self, models: Models, requests: RequestStore, checkpoints: Checkpoints, limits: Limits,
+                 fault_injection: bool) -> None:
+        self.models = models
+        self.requests = requests
+        self.checkpoints = checkpoints
+        self.limits = limits
+        self.fault_injection = fault_injection
+        self._runs: dict[str, TrainingRun] = {}
+
+    def __len__(self) -> int:
+        return len(self._runs)
 
     def _check_lora(self, spec: LoraSpec) -> None:
         if not 1 <= spec.rank <= self.limits.max_lora_rank:
@@ -51,24 +68,25 @@ class RunsMixin:
         if not (spec.train_mlp or spec.train_attn or spec.train_unembed):
             raise bad_request("lora", "at least one of train_mlp, train_attn, train_unembed must be true")
 
-    def _check_run_quota(self, tenant: str) -> None:
-        if sum(1 for r in self.runs.values() if r.tenant == tenant) >= self.limits.max_training_runs:
+    def _check_quota(self, tenant: str) -> None:
+        if sum(1 for r in self._runs.values() if r.tenant == tenant) >= self.limits.max_training_runs:
             raise WorkerError(429, "too_many_training_runs",
                               f"limit max_training_runs={self.limits.max_training_runs} reached; "
                               "delete runs or raise --max-training-runs")
-        if len(self.runs) >= self.limits.max_adapters:
+        if len(self._runs) >= self.limits.max_adapters:
             raise WorkerError(429, "too_many_adapters",
                               f"limit max_adapters={self.limits.max_adapters} reached on this worker (all tenants); "
                               "retry later or raise --max-adapters")
 
-    async def create_training_run(self, body: CreateTrainingRun, tenant: str) -> TrainingRunInfo:
-        self._check_run_quota(tenant)
+    async def create(self, body: CreateTrainingRun, tenant: str) -> TrainingRun:
+        self._check_quota(tenant)
         meta = ref = None
+        store = self.checkpoints.store
         if body.from_checkpoint:
-            ref = await asyncio.to_thread(self._owned_ref, body.from_checkpoint, tenant, "from_checkpoint")
+            ref = await asyncio.to_thread(self.checkpoints.owned_ref, body.from_checkpoint, tenant, "from_checkpoint")
             if ref.kind != "state":
                 raise bad_request("from_checkpoint", "training needs a save_state checkpoint, got a sampler one")
-            meta = await asyncio.to_thread(self.store.read_meta, ref)
+            meta = await asyncio.to_thread(store.read_meta, ref)
             base_model, spec = meta["base_model"], LoraSpec.model_validate(meta["lora"])
             if body.base_model and body.base_model != base_model:
                 raise bad_request("base_model",
@@ -78,128 +96,106 @@ class RunsMixin:
                 raise bad_request("base_model", "required (or pass from_checkpoint)")
             base_model, spec = body.base_model, body.lora
         self._check_lora(spec)
-        host = await self.host(base_model)
+        host = await self.models.host(base_model)
         new_id = run_id("run")
+        made: list = []
 
         def create() -> dict:  # on the model's thread: checkpoint files are read there, off the event loop
             adapter = host.create_adapter(new_id, spec)
             if meta is not None:
                 try:
-                    host.load_adapter_weights(adapter, self.store.read_tensors(ref, "adapter_model.safetensors"))
-                    state = self.store.read_tensors(ref, "optimizer.safetensors") if body.load_optimizer else None
+                    host.load_adapter_weights(adapter, store.read_tensors(ref, "adapter_model.safetensors"))
+                    state = store.read_tensors(ref, "optimizer.safetensors") if body.load_optimizer else None
                     host.load_optimizer_state(adapter, state)
                 except BaseException:
-                    host.delete_adapter(new_id)
+                    host.drop_adapter(new_id)
                     raise
+            made.append(adapter)
             return {"seed": adapter.seed}
 
-        result = await self.run_on_model(base_model, "create_training_run", create, tenant)
+        result = await self.models.run_on_model(base_model, "create_training_run", create, tenant)
         stored_spec = spec.model_copy(update={"seed": result["seed"]})
-        run = TrainingRun(new_id, tenant, base_model, stored_spec, host.adapters[new_id])
-        self.runs[new_id] = run
-        return self._run_info(run)
+        run = TrainingRun(new_id, tenant, base_model, stored_spec, made[0])
+        self._runs[new_id] = run
+        return run
 
-    def _run_info(self, run: TrainingRun) -> TrainingRunInfo:
-        host = self.hosts[run.base_model]
-        return TrainingRunInfo(
-            training_run_id=run.run_id, base_model=run.base_model, lora=run.spec, vocab_size=host.vocab_size,
-            limits=ModelOperationCapabilities(max_tokens_per_request=self.limits.max_tokens_per_request,
-                                              max_seq_len=host.max_seq_len),
-            last_seq_id=run.last_seq,
-        )
-
-    def get_run(self, training_run_id: str, tenant: str) -> TrainingRun:
-        run = self.runs.get(training_run_id)
+    def get(self, training_run_id: str, tenant: str) -> TrainingRun:
+        run = self._runs.get(training_run_id)
         if run is None or run.tenant != tenant:
             raise not_found("training_run", training_run_id)
         return run
 
-    async def delete_run(self, training_run_id: str, tenant: str) -> None:
-        run = self.get_run(training_run_id, tenant)
-        host = self.hosts[run.base_model]
-        del self.runs[training_run_id]
-
-        def delete() -> dict:
-            host.adapters.pop(run.run_id, None)
-            for param in run.adapter.params.values():
-                param.grad = None
-            if host.peft is None:
-                return {}
-            names = list(host.peft.peft_config)
-            unused = [name for name in names if name.startswith("run-") and name not in host.adapters]
-            if len(unused) == len(names):
-                # PEFT cannot drop its last adapter cleanly (disabling adapters, as base-model sampling does,
-                # then fails on the missing name): one stays, unused, until another adapter exists
-                unused = unused[1:]
-            for name in unused:
-                host.delete_adapter(name)
-            return {}
-
+    async def delete(self, training_run_id: str, tenant: str) -> None:
+        run = self.get(training_run_id, tenant)
+        host = self.models.loaded(run.base_model)
+        del self._runs[training_run_id]
         # in the tenant's lane, so it runs after the run's ops already queued there
-        await self.run_on_model(run.base_model, "delete_training_run", delete, tenant)
+        await self.models.run_on_model(run.base_model, "delete_training_run",
+                                       lambda: host.drop_adapter(run.run_id) or {}, tenant)
 
-    def submit_op(self, training_run_id: str, op: TrainingOp, body_hash: str, tenant: str) -> Accepted:
-        """Accept one training op in seq_id order. A resent seq_id returns the original request.
-        Prepares the op here: for small ops; forward ops go through ``submit_op_off_loop``."""
-        return self.submit_prepared(training_run_id, op.seq_id, op.payload, body_hash, tenant)
+    def prepare(self, run: TrainingRun, op: Op) -> PreparedOp:
+        """The work for one op, validated now (a rejected op changes nothing), and its kind. A forward op reads
+        all its arrays: call this in a worker thread for those."""
+        host = self.models.loaded(run.base_model)
+        adapter = run.adapter
+        if isinstance(op, ForwardBatch):
+            return prepare_forward(op, host, adapter, self.limits, self.fault_injection)
+        if isinstance(op, OptimStepOp):
+            adam = check_adam(op.adam_params)
+            return PreparedOp("optim_step", lambda: {"metrics": host.optim_step(adapter, adam)})
+        if isinstance(op, SaveOp):
+            check_name(op.name)
+            if op.ttl_seconds is not None and op.ttl_seconds <= 0:
+                raise bad_request("ttl_seconds", "must be positive or null")
+            return PreparedOp(op.op, lambda: self.checkpoints.save(run, host, op))
+        if isinstance(op, LoadOp):
+            ref = self.checkpoints.owned_ref(op.path, run.tenant, "path")  # reads only the small metadata file
+            if ref.kind != "state":
+                raise bad_request("path", "load_state needs a save_state checkpoint, not sampler weights")
+            self.checkpoints.check_compatible(run, self.checkpoints.store.read_meta(ref))
+            return PreparedOp("load_state", lambda: self.checkpoints.load(run, host, ref, op.load_optimizer))
+        raise bad_request("payload.op", "unknown operation")
 
-    async def submit_op_off_loop(self, training_run_id: str, op: TrainingOp, tenant: str) -> Accepted:
-        """``submit_op`` for an op from the network: a forward op's digest and decoding run in a worker
-        thread. A run's ops are admitted one at a time in arrival order, so each sees the seq_ids of the
-        ones before it exactly as if it had been admitted at once."""
-        run = self.get_run(training_run_id, tenant)
-        async with run.admitting:
-            if isinstance(op.payload, ForwardOp):
-                body_hash, work = await asyncio.to_thread(
-                    hash_and_prepare, op.payload, self.hosts[run.base_model], run.adapter, self.limits,
-                    self.fault_injection)
-            else:
-                body_hash, work = op_digest(op.payload), op.payload
-            return self.submit_prepared(training_run_id, op.seq_id, work, body_hash, tenant)
+    def submit(self, training_run_id: str, work: PreparedOp | BaseException | Op, tenant: str, *,
+               seq_id: int | None, body_hash: str = "", encode: Callable[[dict], dict] | None = None) -> Admission:
+        """Accept one op of a run: ``seq_id`` must be the next one (a resent seq_id with the same body hash
+        answers the original request; None: the next in order, for front ends that order ops themselves).
 
-    def submit_prepared(self, training_run_id: str, seq_id: int, work, body_hash: str, tenant: str) -> Accepted:
-        """Accept an op given as its payload, as a ``PreparedOp`` or as the error preparing it gave. The
-        seq_id and queue checks come first: preparing (or its error) only counts for an op they let in."""
-        run = self.get_run(training_run_id, tenant)
+        ``work`` is the op, its ``PreparedOp``, or the error preparing it gave: the seq_id and queue checks come
+        first, and preparing (or its error) only counts for an op they let in. ``encode`` converts the result to
+        the caller's wire form on the model thread."""
+        run = self.get(training_run_id, tenant)
+        if seq_id is None:
+            seq_id = run.last_seq + 1
         if seq_id <= run.last_seq:
             request_id, seen_hash = run.seqs.get(seq_id, ("", ""))
             if seen_hash != body_hash:
                 raise WorkerError(409, "seq_id_conflict", f"seq_id: {seq_id} was already used by a different "
                                                           "request on this run", "seq_id")
-            return Accepted(request_id=request_id, duplicate=True)
+            return Admission(request_id, self.requests.get(request_id, tenant), duplicate=True)
         if seq_id != run.last_seq + 1:
             raise WorkerError(409, "seq_id_out_of_order",
                               f"seq_id: expected {run.last_seq + 1}, got {seq_id}", "seq_id")
         check_queued(self.requests, tenant, self.limits.max_queued_requests)
         if isinstance(work, BaseException):
             raise work
-        prepared = work if isinstance(work, PreparedOp) else self._prepare(run, work)
+        prepared = work if isinstance(work, PreparedOp) else self.prepare(run, work)
         job = self.requests.new_job(prepared.kind, prepared.work, tenant)
+        job.encode = encode
         run.last_seq = seq_id
         run.seqs[seq_id] = (job.request_id, body_hash)
         if len(run.seqs) > 4096:
             run.seqs.pop(min(run.seqs))
-        self.queues[run.base_model].put(job)
-        return Accepted(request_id=job.request_id)
+        self.models.queue(run.base_model).put(job)
+        return Admission(job.request_id, job)
 
-    def _prepare(self, run: TrainingRun, payload) -> PreparedOp:
-        """The work for one op, validated now (a rejected op changes nothing), and its kind."""
-        host = self.hosts[run.base_model]
-        adapter = run.adapter
-        if isinstance(payload, ForwardOp):
-            return prepare_forward(payload, host, adapter, self.limits, self.fault_injection)
-        if isinstance(payload, OptimStepOp):
-            adam = check_adam(payload.adam_params)
-            return PreparedOp("optim_step", lambda: {"metrics": host.optim_step(adapter, adam)})
-        if isinstance(payload, SaveOp):
-            check_name(payload.name)
-            if payload.ttl_seconds is not None and payload.ttl_seconds <= 0:
-                raise bad_request("ttl_seconds", "must be positive or null")
-            return PreparedOp(payload.op, lambda: self._save(run, host, payload))
-        if isinstance(payload, LoadOp):
-            ref = self._owned_ref(payload.path, run.tenant, "path")  # reads only the small metadata file
-            if ref.kind != "state":
-                raise bad_request("path", "load_state needs a save_state checkpoint, not sampler weights")
-            self._check_compatible(run, self.store.read_meta(ref))
-            return PreparedOp("load_state", lambda: self._load(run, host, ref, payload.load_optimizer))
-        raise bad_request("payload.op", "unknown operation")
+    async def submit_off_loop(self, training_run_id: str, tenant: str, seq_id: int,
+                              prepare: Callable[[TrainingRun], tuple[str, PreparedOp | BaseException | Op]],
+                              encode: Callable[[dict], dict] | None = None) -> Admission:
+        """``submit`` for an op from the network whose decoding and checks are heavy: ``prepare(run)`` runs in a
+        worker thread and gives (body hash, work). A run's ops are admitted one at a time in arrival order, so
+        each sees the seq_ids of the ones before it exactly as if it had been admitted at once."""
+        run = self.get(training_run_id, tenant)
+        async with run.admitting:
+            body_hash, work = await asyncio.to_thread(prepare, run)
+            return self.submit(training_run_id, work, tenant, seq_id=seq_id, body_hash=body_hash, encode=encode)

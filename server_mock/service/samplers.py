@@ -9,15 +9,20 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 from dataclasses import dataclass
 
-from pytrio_compat.wire import Accepted, CreateSampler, LoraSpec, SampleRequest, SamplerInfo
+from pytrio_compat.wire import CreateSampler, LoraSpec, SampleRequest
+from server_mock.config import Limits
 from server_mock.engine.host import ModelHost
-from server_mock.engine.requests import run_id
+from server_mock.engine.queue import Job
+from server_mock.engine.requests import RequestStore, run_id
 from server_mock.errors import WorkerError, bad_request, not_found
-from server_mock.lora import Snapshot, model_layout
+from server_mock.lora import Layer, Snapshot
 from server_mock.sampling.generate import SampleSpec
-from server_mock.service.quotas import check_queued
+from server_mock.service.checkpoints import Checkpoints
+from server_mock.service.models import Models
+from server_mock.service.quotas import TenantLRU, check_queued
 from server_mock.service.validation import validate_sample
 from server_mock.storage import peft_folders
 from server_mock.storage.checkpoints import parse_path
@@ -31,61 +36,72 @@ class Sampler:
     model_path: str | None
 
 
-class SamplersMixin:
-    """Part of WorkerService: needs ``samplers``, ``snapshots`` and ``local_snapshots`` (TenantLRU caches)."""
+class Samplers:
+    def __init__(self, models: Models, requests: RequestStore, checkpoints: Checkpoints, limits: Limits,
+                 allow_adapter_dirs: list[str] | None = None) -> None:
+        self.models = models
+        self.requests = requests
+        self.checkpoints = checkpoints
+        self.limits = limits
+        # local PEFT adapter folders may be sampled from only inside these (real paths, symlinks resolved)
+        self.allow_adapter_dirs = [os.path.realpath(d) for d in (allow_adapter_dirs or [])]
+        # per-tenant caches: one tenant's volume only ever evicts its own entries
+        self._samplers: TenantLRU[Sampler] = TenantLRU(limits.max_samplers)
+        self._local_snapshots: TenantLRU[Snapshot] = TenantLRU(limits.max_snapshots)
+        self._layouts: dict[str, dict[str, Layer]] = {}
 
-    async def create_sampler(self, body: CreateSampler, tenant: str) -> SamplerInfo:
+    async def create(self, body: CreateSampler, tenant: str) -> Sampler:
         base_model = body.base_model
         if body.model_path and peft_folders.is_local_path(body.model_path):
-            return await self._create_local_sampler(body, tenant)
+            return await self._create_local(body, tenant)
         if body.model_path:
-            ref = await asyncio.to_thread(self._owned_ref, body.model_path, tenant, "model_path")
-            cached = self.snapshots.get(body.model_path)
+            ref = await asyncio.to_thread(self.checkpoints.owned_ref, body.model_path, tenant, "model_path")
+            cached = self.checkpoints.snapshots.get(body.model_path)
             if cached is not None:
                 ckpt_model = cached[0]
             else:
-                ckpt_model = (await asyncio.to_thread(self.store.read_meta, ref))["base_model"]
+                ckpt_model = (await asyncio.to_thread(self.checkpoints.store.read_meta, ref))["base_model"]
             if base_model and base_model != ckpt_model:
                 raise bad_request("base_model", f"{body.model_path} was trained on {ckpt_model!r}, not {base_model!r}")
             base_model = ckpt_model
         if not base_model:
             raise bad_request("base_model", "required when model_path is not given")
-        await self.host(base_model)
-        return self._add_sampler(Sampler(run_id("sampler"), tenant, base_model, body.model_path), body.model_path)
+        await self.models.host(base_model)
+        return self._add(Sampler(run_id("sampler"), tenant, base_model, body.model_path))
 
-    def _add_sampler(self, sampler: Sampler, model_path: str | None) -> SamplerInfo:
-        self.samplers.put(sampler.sampler_id, sampler.tenant, sampler)  # drops this tenant's least recently used
-        return SamplerInfo(sampler_id=sampler.sampler_id, base_model=sampler.base_model, model_path=model_path)
+    def _add(self, sampler: Sampler) -> Sampler:
+        self._samplers.put(sampler.sampler_id, sampler.tenant, sampler)  # drops this tenant's least recently used
+        return sampler
 
-    async def _create_local_sampler(self, body: CreateSampler, tenant: str) -> SamplerInfo:
+    async def _create_local(self, body: CreateSampler, tenant: str) -> Sampler:
         folder = peft_folders.resolve(body.model_path, self.allow_adapter_dirs)
         base_model = body.base_model
         if not base_model:
             hint = peft_folders.base_model_hint(folder)
-            if hint not in self.model_sources and hint not in self.hosts:
+            if not self.models.is_served(hint):
                 raise bad_request("base_model", f"required for a local adapter folder ({folder} names base model "
                                                 f"{hint!r}, which this worker does not serve)")
             base_model = hint
-        host = await self.host(base_model)
+        host = await self.models.host(base_model)
         if base_model not in self._layouts:
-            layout = await self.run_on_model(base_model, "adapter_layout",
-                                             lambda: {"layout": model_layout(host.model, host._linear_groups)}, tenant)
+            layout = await self.models.run_on_model(base_model, "adapter_layout",
+                                                    lambda: {"layout": host.lora_layout()}, tenant)
             self._layouts[base_model] = layout["layout"]
         sampler = Sampler(run_id("sampler"), tenant, base_model, str(folder))
         await asyncio.to_thread(self._local_snapshot, sampler, host)  # check it now, once
-        return self._add_sampler(sampler, body.model_path)
+        return self._add(sampler)
 
     def _local_snapshot(self, sampler: Sampler, host: ModelHost) -> Snapshot:
         folder = peft_folders.resolve(sampler.model_path, self.allow_adapter_dirs)
         key = f"{sampler.tenant}:{sampler.base_model}:{peft_folders.fingerprint(folder)}"
-        snap = self.local_snapshots.get(key)
+        snap = self._local_snapshots.get(key)
         if snap is None:
-            snap = peft_folders.load(folder, host, self._layouts[sampler.base_model], self.limits.max_lora_rank)
-            self.local_snapshots.put(key, sampler.tenant, snap)
+            snap = peft_folders.load(folder, host.name, self._layouts[sampler.base_model], self.limits.max_lora_rank)
+            self._local_snapshots.put(key, sampler.tenant, snap)
         return snap
 
-    def get_sampler(self, sampler_id: str, tenant: str) -> Sampler:
-        sampler = self.samplers.get(sampler_id)
+    def get(self, sampler_id: str, tenant: str) -> Sampler:
+        sampler = self._samplers.get(sampler_id)
         if sampler is None or sampler.tenant != tenant:
             raise not_found("sampler", sampler_id)
         return sampler
@@ -98,73 +114,73 @@ class SamplersMixin:
         if peft_folders.is_local_path(sampler.model_path):
             key = f"{sampler.base_model}:local:{sampler.tenant}:{sampler.model_path}"
             return key, lambda: self._local_snapshot(sampler, host)
-        cached = self.snapshots.get(sampler.model_path)
+        snapshots = self.checkpoints.snapshots
+        cached = snapshots.get(sampler.model_path)
         if cached is not None:
             snap = cached[1]
             return f"{sampler.base_model}:{snap.snapshot_id}", lambda: snap
         ref = parse_path(sampler.model_path, "model_path")
-        if not self.store.exists(ref):
+        store = self.checkpoints.store
+        if not store.exists(ref):
             raise WorkerError(404, "sampler_weights_expired",
                               f"model_path: the weights {sampler.model_path} are gone (in-memory snapshots are kept "
                               f"for each API key's {self.limits.max_snapshots} most recently used, --max-snapshots); "
                               "save them with a name to keep them", "model_path")
 
         def load() -> Snapshot:
-            cached = self.snapshots.get(sampler.model_path)
+            cached = snapshots.get(sampler.model_path)
             if cached is not None:
                 return cached[1]
-            meta = self.store.read_meta(ref)
+            meta = store.read_meta(ref)
             spec = LoraSpec.model_validate(meta["lora"])
-            tensors = self.store.read_tensors(ref, "adapter_model.safetensors")
-            _, targets = host._lora_config(spec)
-            snap = Snapshot(hashlib.sha256(ref.path.encode()).hexdigest()[:16], spec, targets, tensors)
-            self.snapshots.put(sampler.model_path, sampler.tenant, (sampler.base_model, snap))
+            tensors = store.read_tensors(ref, "adapter_model.safetensors")
+            snap = Snapshot(hashlib.sha256(ref.path.encode()).hexdigest()[:16], spec, host.lora_targets(spec), tensors)
+            snapshots.put(sampler.model_path, sampler.tenant, (sampler.base_model, snap))
             return snap
 
         return f"{sampler.base_model}:disk:{sampler.model_path}", load
 
-    def submit_sample(self, sampler_id: str, request: SampleRequest, tenant: str) -> Accepted:
-        sampler = self.get_sampler(sampler_id, tenant)
+    def submit(self, sampler_id: str, request: SampleRequest, tenant: str) -> Job:
+        """Queue one sample request; its job's result is a dict (``sample_result``'s form)."""
+        sampler = self.get(sampler_id, tenant)
         check_queued(self.requests, tenant, self.limits.max_queued_requests)
-        host = self.hosts[sampler.base_model]
+        host = self.models.loaded(sampler.base_model)
         spec = validate_sample(request, host, self.limits)
         batch_key, load = self._weights_for(sampler, host)
         return_text = request.return_text
 
         def run_sample() -> dict:
-            return self._sample_batch(host, load(), [(spec, return_text)])[0]
+            return _sample_batch(host, load(), [(spec, return_text)])[0]
 
         job = self.requests.new_job("sample", run_sample, tenant)
         job.batch_key = batch_key
         job.payload = (spec, return_text)
-        job.batch_fn = lambda payloads: self._sample_batch(host, load(), payloads)
+        job.batch_fn = lambda payloads: _sample_batch(host, load(), payloads)
         job.batch_cost = spec.num_samples * (len(spec.prompt_tokens) + spec.max_tokens)
-        # a Ray-backed model has its own sampling queue, drained by one thread per sampler replica
-        (self.queues.get(f"{sampler.base_model}:sampling") or self.queues[sampler.base_model]).put(job)
-        return Accepted(request_id=job.request_id)
+        self.models.sampling_queue(sampler.base_model).put(job)
+        return job
 
-    @staticmethod
-    def _sample_batch(host: ModelHost, snapshot: Snapshot | None,
-                      payloads: list[tuple[SampleSpec, bool]]) -> list[dict]:
-        """Run one or more sample requests for the same weights as one decoding batch."""
-        timings: dict[str, float] = {}
-        results = host.sample_batch(snapshot, [spec for spec, _ in payloads], timings)
-        out = []
-        for (spec, return_text), result in zip(payloads, results):
-            sequences = [
-                {"stop_reason": s.stop_reason, "tokens": s.tokens, "logprobs": s.logprobs,
-                 "text": host.tokenizer.decode(s.tokens, skip_special_tokens=True) if return_text else None}
-                for s in result.sequences
-            ]
-            out.append({
-                "sequences": sequences,
-                "prompt_logprobs": result.prompt_logprobs or [],
-                "topk_prompt_logprobs": result.topk_prompt_logprobs or [],
-                "input_tokens": len(spec.prompt_tokens),
-                "output_tokens": sum(len(s.tokens) for s in result.sequences),
-                "metrics": {"batch_requests": float(len(payloads)),
-                            "time/load_weights": timings.get("load_weights", 0.0),
-                            "time/prefill": timings.get("prefill", 0.0), "time/decode": timings.get("decode", 0.0),
-                            **({"sampler_replica": timings["replica"]} if "replica" in timings else {})},
-            })
-        return out
+
+def _sample_batch(host: ModelHost, snapshot: Snapshot | None, payloads: list[tuple[SampleSpec, bool]]) -> list[dict]:
+    """Run one or more sample requests for the same weights as one decoding batch."""
+    timings: dict[str, float] = {}
+    results = host.sample_batch(snapshot, [spec for spec, _ in payloads], timings)
+    out = []
+    for (spec, return_text), result in zip(payloads, results):
+        sequences = [
+            {"stop_reason": s.stop_reason, "tokens": s.tokens, "logprobs": s.logprobs,
+             "text": host.tokenizer.decode(s.tokens, skip_special_tokens=True) if return_text else None}
+            for s in result.sequences
+        ]
+        out.append({
+            "sequences": sequences,
+            "prompt_logprobs": result.prompt_logprobs or [],
+            "topk_prompt_logprobs": result.topk_prompt_logprobs or [],
+            "input_tokens": len(spec.prompt_tokens),
+            "output_tokens": sum(len(s.tokens) for s in result.sequences),
+            "metrics": {"batch_requests": float(len(payloads)),
+                        "time/load_weights": timings.get("load_weights", 0.0),
+                        "time/prefill": timings.get("prefill", 0.0), "time/decode": timings.get("decode", 0.0),
+                        **({"sampler_replica": timings["replica"]} if "replica" in timings else {})},
+        })
+    return out

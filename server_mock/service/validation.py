@@ -4,10 +4,11 @@ touches an adapter. Every error names the field, and the limit when one was exce
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from pytrio_compat.wire import AdamParams, ForwardOp, SampleRequest, WireTensor
+from pytrio_compat.wire import AdamParams, SampleRequest
 from server_mock.config import Limits
 from server_mock.engine.host import ModelHost
 from server_mock.errors import WorkerError, bad_request
@@ -51,7 +52,7 @@ def validate_sample(request: SampleRequest, host: ModelHost, limits: Limits) -> 
                     "sampling_params.stop_token_ids", allow_ignore=False)
         stop_ids = list(params.stop_token_ids)
     else:
-        stop_ids = default_stop_ids(host)
+        stop_ids = host.stop_token_ids()
     return SampleSpec(
         prompt_tokens=prompt.tolist(), num_samples=request.num_samples, max_tokens=params.max_tokens,
         temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=params.seed,
@@ -80,29 +81,20 @@ def check_stop_strings(stop: list[str] | None, limits: Limits) -> list[str]:
     return list(stop)
 
 
-def default_stop_ids(host: ModelHost) -> list[int]:
-    """EOS of the tokenizer and of the generation config (stop=None means: stop at end of turn)."""
-    ids = set()
-    if host.tokenizer.eos_token_id is not None:
-        ids.add(int(host.tokenizer.eos_token_id))
-    gen_eos = getattr(getattr(host.model, "generation_config", None), "eos_token_id", None)
-    if isinstance(gen_eos, int):
-        ids.add(gen_eos)
-    elif isinstance(gen_eos, (list, tuple)):
-        ids.update(int(x) for x in gen_eos)
-    return sorted(ids)
-
-
-def validate_data(op: ForwardOp, host: ModelHost, limits: Limits) -> list[dict[str, np.ndarray]]:
-    if not op.data:
+def validate_rows(loss_fn: str, data: Sequence[Mapping[str, np.ndarray]], host: ModelHost,
+                  limits: Limits) -> list[dict[str, np.ndarray]]:
+    """A forward op's datums, checked: each a mapping of ``tokens`` and its loss inputs by name (a front end may
+    pass mappings that decode an array when it is read, raising a 4xx naming the field; an input the loss does
+    not use is never read). Returns plain dicts of the arrays the loss reads."""
+    if not data:
         raise bad_request("data", "training data cannot be empty")
-    required = losses.REQUIRED_INPUTS[op.loss_fn]
-    optional = losses.OPTIONAL_INPUTS[op.loss_fn]
+    required = losses.REQUIRED_INPUTS[loss_fn]
+    optional = losses.OPTIONAL_INPUTS[loss_fn]
     out = []
     total = 0
-    for i, datum in enumerate(op.data):
+    for i, datum in enumerate(data):
         where = f"data[{i}]"
-        tokens = wire_array(datum.tokens, f"{where}.tokens")
+        tokens = datum["tokens"]
         if tokens.dtype != np.int64 or tokens.ndim != 1 or len(tokens) == 0:
             raise bad_request(f"{where}.tokens", "must be a non-empty 1-D int64 tensor")
         n = len(tokens)
@@ -113,12 +105,12 @@ def validate_data(op: ForwardOp, host: ModelHost, limits: Limits) -> list[dict[s
         check_vocab(tokens, host.vocab_size, f"{where}.tokens", allow_ignore=False)
         row = {"tokens": tokens}
         for key in required + optional:
-            if key not in datum.loss_fn_inputs:
+            if key not in datum:
                 if key in required:
                     raise bad_request(f"{where}.loss_fn_inputs.{key}",
-                                      f"required by loss {op.loss_fn!r} (needs {', '.join(required)})")
+                                      f"required by loss {loss_fn!r} (needs {', '.join(required)})")
                 continue
-            row[key] = _loss_input(datum.loss_fn_inputs[key], key, n, f"{where}.loss_fn_inputs.{key}", host)
+            row[key] = _loss_input(datum[key], key, n, f"{where}.loss_fn_inputs.{key}", host)
         out.append(row)
     if total > limits.max_tokens_per_request:
         raise WorkerError(413, "request_too_large", f"data: {total} tokens exceeds limit "
@@ -126,8 +118,7 @@ def validate_data(op: ForwardOp, host: ModelHost, limits: Limits) -> list[dict[s
     return out
 
 
-def _loss_input(tensor: WireTensor, key: str, n: int, where: str, host: ModelHost) -> np.ndarray:
-    value = wire_array(tensor, where)
+def _loss_input(value: np.ndarray, key: str, n: int, where: str, host: ModelHost) -> np.ndarray:
     if value.shape != (n,):
         raise bad_request(where, f"must have shape [{n}] (the length of the tokens), got {list(value.shape)}")
     if key == "target_tokens":
@@ -140,13 +131,6 @@ def _loss_input(tensor: WireTensor, key: str, n: int, where: str, host: ModelHos
         bad = int(np.flatnonzero(~np.isfinite(value))[0])
         raise bad_request(where, f"must be finite; position {bad} is {value[bad]}")
     return value
-
-
-def wire_array(tensor: WireTensor, field_name: str) -> np.ndarray:
-    try:
-        return tensor.to_array()
-    except ValueError as exc:
-        raise bad_request(field_name, str(exc)) from None
 
 
 def check_vocab(ids: np.ndarray, vocab_size: int, field_name: str, allow_ignore: bool) -> None:

@@ -25,9 +25,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from pytrio_compat.wire import LoraSpec
-from server_mock.engine.host import ModelHost
 from server_mock.errors import WorkerError, bad_request
-from server_mock.lora import LORA_ALPHA, Layer, Snapshot
+from server_mock.lora import LORA_ALPHA, Layer, Snapshot, lora_config
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -89,9 +88,10 @@ def fingerprint(folder: Path) -> str:
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
-def load(folder: Path, host: ModelHost, layout: dict[str, Layer], max_rank: int, field: str = "model_path"
+def load(folder: Path, model_name: str, layout: dict[str, Layer], max_rank: int, field: str = "model_path"
          ) -> Snapshot:
-    """Read, check and convert the adapter into a sampler snapshot on the worker's LoRA layout."""
+    """Read, check and convert the adapter into a sampler snapshot on the LoRA layout of the model ``model_name``
+    (``layout``: its LoRA-able layers, ``lora.model_layout``)."""
     where = f"{field}: {folder}"
     try:
         config = json.loads((folder / CONFIG_FILE).read_text())
@@ -120,11 +120,11 @@ def load(folder: Path, host: ModelHost, layout: dict[str, Layer], max_rank: int,
     targets = config.get("target_modules")
     if isinstance(targets, str):
         if not any(re.fullmatch(targets, name) for name in layout):
-            raise reject("target_modules", f"pattern {targets!r} matches no LoRA-able layer of {host.name}")
+            raise reject("target_modules", f"pattern {targets!r} matches no LoRA-able layer of {model_name}")
     elif isinstance(targets, list):
         for target in targets:
             if not any(name == target or name.endswith(f".{target}") for name in layout):
-                raise reject("target_modules", f"{target!r} matches no LoRA-able layer of {host.name} "
+                raise reject("target_modules", f"{target!r} matches no LoRA-able layer of {model_name} "
                                                f"(its layers are named like {next(iter(layout), '?')})")
     else:
         raise reject("target_modules", f"must be a list of layer names or a pattern, got {targets!r}")
@@ -142,13 +142,13 @@ def load(folder: Path, host: ModelHost, layout: dict[str, Layer], max_rank: int,
                                      "base_model.model.<layer>.lora_A/lora_B.weight)", code="invalid_adapter")
         module = match["module"]
         if module not in layout:
-            raise bad_request(field, f"{WEIGHTS_FILE} tensor {key!r}: {host.name} has no LoRA-able layer {module!r}",
+            raise bad_request(field, f"{WEIGHTS_FILE} tensor {key!r}: {model_name} has no LoRA-able layer {module!r}",
                               code="invalid_adapter")
         layer = layout[module]
         want = (rank, layer.in_features) if match["ab"] == "A" else (layer.out_features, rank)
         if tuple(tensor.shape) != want:
             raise bad_request(field, f"{WEIGHTS_FILE} tensor {key!r} has shape {tuple(tensor.shape)}, expected "
-                                     f"{want} for r={rank} on {host.name}", code="invalid_adapter")
+                                     f"{want} for r={rank} on {model_name}", code="invalid_adapter")
         if not tensor.is_floating_point() or not torch.isfinite(tensor).all():
             raise bad_request(field, f"{WEIGHTS_FILE} tensor {key!r} must be finite floating point",
                               code="invalid_adapter")
@@ -163,7 +163,7 @@ def load(folder: Path, host: ModelHost, layout: dict[str, Layer], max_rank: int,
     groups = {layout[m].group for m in pairs}
     spec = LoraSpec(rank=rank, train_attn="train_attn" in groups, train_mlp="train_mlp" in groups,
                     train_unembed="train_unembed" in groups)
-    _, target_modules = host._lora_config(spec)
+    _, target_modules = lora_config({name: layer.group for name, layer in layout.items()}, spec)
     their_scale = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
     factor = their_scale / (LORA_ALPHA / rank)
     out: dict[str, torch.Tensor] = {}

@@ -3,8 +3,9 @@ target token's logprob, and the per-datum losses and the call's metrics."""
 
 from __future__ import annotations
 
-from functools import partial
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -12,49 +13,56 @@ import torch
 from server_mock.errors import WorkerError
 from server_mock.training import losses, prefix_planning, prefix_sharing
 
-if TYPE_CHECKING:
-    from server_mock.engine.host import ModelHost
+
+@dataclass(frozen=True)
+class TrainModel:
+    """What forward/backward needs of the model it trains: the adapted model's logits and a few facts."""
+
+    logits: Callable[..., torch.Tensor]  # logits(**inputs) of the model with the adapter, under the host's settings
+    config: Any  # the model's transformers config (the prefix caches read its layer types)
+    cache_kwarg: str | None  # the forward's name for its cache argument (prefix_cache.cache_kwarg)
+    device: str
+    micro_batch_tokens: int
+    prefix_share_min_tokens: int  # 0: this model does not share prefixes
 
 
-def run_forward_backward(host: ModelHost, data: list[dict[str, np.ndarray]], loss_fn: str,
+def run_forward_backward(model: TrainModel, data: list[dict[str, np.ndarray]], loss_fn: str,
                          config: dict[str, float], backward: bool) -> dict:
-    """Per-datum logprobs and losses of ``data`` with the host's active adapter; with ``backward`` the
+    """Per-datum logprobs and losses of ``data`` with the model's active adapter; with ``backward`` the
     summed loss's gradient accumulates. Datums sharing a prompt prefix run it once (prefix_sharing.py)."""
-    results = _Results(data, loss_fn, config, host.device)
-    passes = prefix_planning.plan([d["tokens"] for d in data], host.options.micro_batch_tokens,
-                                  host.options.prefix_share_min_tokens if host.prefix_sharing else 0)
+    results = _Results(data, loss_fn, config, model.device)
+    passes = prefix_planning.plan([d["tokens"] for d in data], model.micro_batch_tokens, model.prefix_share_min_tokens)
     with torch.set_grad_enabled(backward):
         for batch, chunks in passes.shared:
             prompts = np.stack([data[g.members[0]]["tokens"][:batch.prefix_len] for g in batch.groups])
-            shared = prefix_sharing.SharedPrefix(partial(host.logits, host.peft), host.model.config,
-                                                 host.cache_kwarg, torch.from_numpy(prompts).to(host.device))
+            shared = prefix_sharing.SharedPrefix(model.logits, model.config, model.cache_kwarg,
+                                                 torch.from_numpy(prompts).to(model.device))
             for chunk in chunks:
                 indices = [i for i, _ in chunk]
-                which = torch.tensor([row for _, row in chunk], device=host.device)
-                results.add(indices, _shared_logprobs(host, shared, [data[i] for i in indices], which), backward)
+                which = torch.tensor([row for _, row in chunk], device=model.device)
+                results.add(indices, _shared_logprobs(model, shared, [data[i] for i in indices], which), backward)
             if backward:
                 shared.backward()
             del shared
         for batch in passes.rest:
-            results.add(batch, _target_logprobs(host, [data[i] for i in batch]), backward)
+            results.add(batch, _target_logprobs(model, [data[i] for i in batch]), backward)
     return results.summary()
 
 
-def _target_logprobs(host: ModelHost, rows: list[dict[str, np.ndarray]]) -> torch.Tensor:
+def _target_logprobs(model: TrainModel, rows: list[dict[str, np.ndarray]]) -> torch.Tensor:
     """float32 logprob of each target token, [B, T] (0 where the target is ignored or padding)."""
-    ids, attention = _padded([r["tokens"] for r in rows], host.device)
-    targets, _ = _padded([_targets(r) for r in rows], host.device)
-    return token_logprobs(host.logits(host.peft, input_ids=ids, attention_mask=attention, use_cache=False),
-                          targets)
+    ids, attention = _padded([r["tokens"] for r in rows], model.device)
+    targets, _ = _padded([_targets(r) for r in rows], model.device)
+    return token_logprobs(model.logits(input_ids=ids, attention_mask=attention, use_cache=False), targets)
 
 
-def _shared_logprobs(host: ModelHost, shared: prefix_sharing.SharedPrefix, rows: list[dict[str, np.ndarray]],
+def _shared_logprobs(model: TrainModel, shared: prefix_sharing.SharedPrefix, rows: list[dict[str, np.ndarray]],
                      which: torch.Tensor) -> torch.Tensor:
     """Like ``_target_logprobs``, for rows that start with ``shared``'s prefixes (row i with prefix which[i])."""
     n = shared.prefix_len
-    ids, attention = _padded([r["tokens"][n:] for r in rows], host.device)
-    targets, _ = _padded([_targets(r)[n:] for r in rows], host.device)
-    prefix_targets = torch.from_numpy(np.stack([_targets(r)[:n] for r in rows])).to(host.device)
+    ids, attention = _padded([r["tokens"][n:] for r in rows], model.device)
+    targets, _ = _padded([_targets(r)[n:] for r in rows], model.device)
+    prefix_targets = torch.from_numpy(np.stack([_targets(r)[:n] for r in rows])).to(model.device)
     return torch.cat([token_logprobs(shared.logits, prefix_targets, which),
                       token_logprobs(shared.remainder_logits(ids, attention, which), targets)], dim=1)
 

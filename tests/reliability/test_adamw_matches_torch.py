@@ -11,7 +11,7 @@ import torch
 import pytrio_compat as trio
 from pytrio_compat.types import AdamParams
 from pytrio_compat.wire import LoraSpec
-from server_mock.engine.host import ModelHost
+from server_mock.engine.local_host import LocalModelHost
 
 from .reliability_helpers import datum
 
@@ -20,7 +20,7 @@ ADAM = AdamParams(learning_rate=3e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_de
 
 @pytest.fixture(scope="module")
 def host(tiny_model_dir):
-    return ModelHost("tiny", str(tiny_model_dir), "cpu", torch.float32)
+    return LocalModelHost("tiny", str(tiny_model_dir), "cpu", torch.float32)
 
 
 def _grads(adapter, step: int) -> dict[str, torch.Tensor | None]:

@@ -20,8 +20,9 @@ from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
 from pytrio_compat.types.tensor import WireTensor
-from server_mock.api.native import endpoint
-from server_mock.service import validation
+from server_mock.api import bodies
+from server_mock.api.native import runs
+from server_mock.api.tinker.proto import decode as tinker_decode
 
 from .reliability_helpers import in_process_worker, on_event_loop
 
@@ -38,13 +39,13 @@ class Watch:
         self.holding = threading.Event()
         self.release = threading.Event()
 
-    def decode(self, original, tensor, field_name):
+    def decode(self, original, *args):
         self.decodes.append(on_event_loop())
         if self.armed:
             self.armed = False
             self.holding.set()
             self.release.wait(HOLD_SECONDS)
-        return original(tensor, field_name)
+        return original(*args)
 
     def parse(self, original, model, raw):
         self.parses.append((len(raw), on_event_loop()))
@@ -54,9 +55,11 @@ class Watch:
 @pytest.fixture()
 def watched_worker(tiny_model_dir, tmp_path, monkeypatch):
     watch = Watch()
-    decode, parse = validation.wire_array, endpoint.parse_body
-    monkeypatch.setattr(validation, "wire_array", lambda t, f: watch.decode(decode, t, f))
-    monkeypatch.setattr(endpoint, "parse_body", lambda m, r: watch.parse(parse, m, r))
+    decode, parse, proto_decode = runs.wire_array, bodies.parse_body, tinker_decode._array_from_bytes
+    monkeypatch.setattr(runs, "wire_array", lambda t, f: watch.decode(decode, t, f))  # native: base64 tensors
+    monkeypatch.setattr(tinker_decode, "_array_from_bytes",  # Tinker: protobuf tensors
+                        lambda raw, dtype, where: watch.decode(proto_decode, raw, dtype, where))
+    monkeypatch.setattr(bodies, "parse_body", lambda m, r: watch.parse(parse, m, r))
     with in_process_worker(tiny_model_dir, tmp_path / "storage") as base:
         try:
             yield base, watch
@@ -115,7 +118,7 @@ def test_native_op_is_decoded_off_the_loop_in_order(watched_worker):
         assert refused.status_code == 400 and refused.json()["error"]["field"] == "data[1].tokens", refused.text
         assert http.get(f"/v1/training_runs/{run}").json()["last_seq_id"] == 2
     assert len(watch.decodes) >= 64 * 2 and not any(watch.decodes), "tensors were decoded on the event loop"
-    big_parses = [on_loop for size, on_loop in watch.parses if size > endpoint.BIG_BODY_BYTES]
+    big_parses = [on_loop for size, on_loop in watch.parses if size > bodies.BIG_BODY_BYTES]
     assert len(big_parses) == 2 and not any(big_parses), watch.parses
 
 

@@ -14,7 +14,7 @@ import torch
 from pytrio_compat.types import AdamParams
 from pytrio_compat.wire import LoraSpec
 from server_mock.config import TrainOptions
-from server_mock.engine.host import ModelHost
+from server_mock.engine.local_host import LocalModelHost
 from server_mock.engine.tiny_model import TINY_FAMILIES, make_tiny_model
 from server_mock.training import prefix_cache, prefix_planning, prefix_sharing
 from server_mock.training.losses import LOSS_FUNCTIONS
@@ -97,13 +97,14 @@ def test_shared_passes_hold_no_more_tokens_than_the_unshared_micro_batches(promp
 
 # --- exactness ------------------------------------------------------------------------------------------------
 
-def make_host(model_dir, share: bool, **options) -> ModelHost:
-    return ModelHost("tiny", str(model_dir), "cpu", torch.float32, 1024,
-                     TrainOptions(prefix_share_min_tokens=16 if share else 0, **options))
+def make_host(model_dir, share: bool, **options) -> LocalModelHost:
+    return LocalModelHost("tiny", str(model_dir), "cpu", torch.float32, 1024,
+                          TrainOptions(prefix_share_min_tokens=16 if share else 0, **options))
 
 
-def make_adapter(host: ModelHost):
-    host.delete_adapter("run")  # one a test that stopped midway left behind (parameter names must match)
+def make_adapter(host: LocalModelHost):
+    if host.peft is not None and "run" in host.peft.peft_config:
+        host.peft.delete_adapter("run")  # one a test that stopped midway left behind (parameter names must match)
     adapter = host.create_adapter("run", LoraSpec(rank=4, seed=3, train_unembed=True))
     generator = torch.Generator().manual_seed(0)
     for p in adapter.params.values():  # non-zero B, so every LoRA weight gets a gradient
@@ -138,13 +139,13 @@ CONFIGS = {"cross_entropy": {}, "importance_sampling": {}, "dro": {"beta": 0.05}
            "cispo": {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}}
 
 
-def train_step(host: ModelHost, data, loss_fn: str, backward: bool = True):
+def train_step(host: LocalModelHost, data, loss_fn: str, backward: bool = True):
     adapter = make_adapter(host)
     out = host.forward_backward(adapter, data, loss_fn, CONFIGS[loss_fn], backward=backward)
     grads = {n: p.grad.clone() for n, p in adapter.params.items() if p.grad is not None}
     step = host.optim_step(adapter, AdamParams(learning_rate=1e-2)) if backward else None
     weights = {n: p.detach().clone() for n, p in adapter.params.items()}
-    host.delete_adapter(adapter.adapter_id)
+    host.drop_adapter(adapter.adapter_id)
     return out, grads, step, weights
 
 

@@ -8,11 +8,11 @@ import torch
 
 from pytrio_compat.wire import LoraSpec
 from server_mock.config import TrainOptions
-from server_mock.engine.host import ModelHost
+from server_mock.engine.local_host import LocalModelHost
 
 
 def run_step(model_dir, options: TrainOptions):
-    host = ModelHost("tiny", str(model_dir), "cpu", torch.float32, 512, options)
+    host = LocalModelHost("tiny", str(model_dir), "cpu", torch.float32, 512, options)
     adapter = host.create_adapter("run-a", LoraSpec(rank=4, seed=3))
     generator = torch.Generator().manual_seed(0)
     for p in adapter.params.values():  # non-zero B so every LoRA weight gets a gradient

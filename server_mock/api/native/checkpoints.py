@@ -11,16 +11,18 @@ from server_mock.api.native.endpoint import endpoint, service_of
 
 
 async def checkpoint_config(request: Request, tenant: str):
-    return await asyncio.to_thread(service_of(request).checkpoint_config, request.query_params.get("path", ""), tenant)
+    checkpoints = service_of(request).checkpoints
+    return await asyncio.to_thread(checkpoints.config, request.query_params.get("path", ""), tenant)
 
 
 async def list_checkpoints(request: Request, tenant: str):
     run = request.query_params.get("training_run_id") or None
-    return await asyncio.to_thread(service_of(request).list_checkpoints, tenant, run)
+    return await asyncio.to_thread(service_of(request).checkpoints.list, tenant, run)
 
 
 async def delete_checkpoint(request: Request, tenant: str):
-    await asyncio.to_thread(service_of(request).delete_checkpoint, request.query_params.get("path", ""), tenant)
+    checkpoints = service_of(request).checkpoints
+    await asyncio.to_thread(checkpoints.delete, request.query_params.get("path", ""), tenant)
     return {"deleted": True}
 
 

@@ -1,24 +1,24 @@
-"""What every native route shares: API keys, the endpoint wrapper (auth, body parsing, errors), bodies,
-long polls and idempotency. The service and auth are reached through ``request.app.state``."""
+"""What every native route shares: the endpoint (auth, a typed JSON body, errors in the native shape),
+long polls and idempotency. The service, API keys and idempotency cache are reached through
+``request.app.state``."""
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import math
-import uuid
 from typing import Any, Awaitable, Callable
 
 from pydantic import BaseModel
-from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response
+from starlette.requests import Request
+from starlette.responses import JSONResponse
 
 from pytrio_compat.wire import ErrorBody, ErrorResponse
-from server_mock.api.bodies import BIG_BODY_BYTES, parse_body, read_body
+from server_mock.api import endpoint as api_endpoint
+from server_mock.api.bodies import read_model
 from server_mock.api.browser_safety import require_media_type
 from server_mock.errors import WorkerError
+from server_mock.service.worker import WorkerService
 
-logger = logging.getLogger("server_mock")
 MAX_POLL_SECONDS = 60.0
 Handler = Callable[..., Awaitable[Any]]
 
@@ -43,50 +43,32 @@ class Idempotency:
         return result
 
 
-def service_of(request: Request):
+def service_of(request: Request) -> WorkerService:
     return request.app.state.service
 
 
-def error_response(exc: WorkerError, request_id: str) -> JSONResponse:
+def error_response(exc: WorkerError) -> JSONResponse:
     body = ErrorResponse(error=ErrorBody(code=exc.code, message=exc.message, field=exc.field))
-    headers = {"x-request-id": request_id}
-    if exc.status == 429:
-        headers["Retry-After"] = "1"
+    headers = {"Retry-After": "1"} if exc.status == 429 else None
     return JSONResponse(body.model_dump(), status_code=exc.status, headers=headers)
 
 
+def _tenant(request: Request) -> str:
+    return request.app.state.auth.tenant(request)
+
+
 def endpoint(handler: Handler, body_model: type[BaseModel] | None = None, public: bool = False):
-    """A Starlette endpoint around ``handler(request, tenant[, body=...])``: authenticates (unless public),
-    parses and validates a JSON body into ``body_model``, and turns every failure into a 4xx/5xx naming why."""
+    """A native route around ``handler(request, tenant[, body=...])``: the caller's tenant (unless public), the
+    JSON body validated into ``body_model`` (parsed off the event loop when large), native error answers."""
 
-    async def wrapped(request: Request) -> Response:
-        request_id = uuid.uuid4().hex[:12]
-        try:
-            tenant = "" if public else request.app.state.auth.tenant(request)
-            kwargs: dict[str, Any] = {}
-            if body_model is not None:
-                require_media_type(request)
-                raw = await read_body(request, service_of(request).limits.max_body_bytes)
-                # a large body is parsed (and its tensors' base64 text copied) in a worker thread
-                if len(raw) > BIG_BODY_BYTES:
-                    kwargs["body"] = await asyncio.to_thread(parse_body, body_model, raw)
-                else:
-                    kwargs["body"] = parse_body(body_model, raw)
-            result = await handler(request, tenant, **kwargs)
-        except WorkerError as exc:
-            return error_response(exc, request_id)
-        except ClientDisconnect:  # the client went away mid-body: nothing was queued, nobody to answer
-            logger.debug("client disconnected while sending %s", request.url.path)
-            return Response(status_code=499)
-        except Exception as exc:  # noqa: BLE001 - never a bare 500 without a message
-            logger.exception("unhandled error in %s", request.url.path)
-            return error_response(WorkerError(500, "internal_error", f"{type(exc).__name__}: {exc}"), request_id)
-        if isinstance(result, Response):
-            return result
-        payload = result.model_dump(mode="json") if isinstance(result, BaseModel) else result
-        return JSONResponse(payload, headers={"x-request-id": request_id})
+    async def run(request: Request, tenant: str):
+        if body_model is None:
+            return await handler(request, tenant)
+        require_media_type(request)
+        body = await read_model(request, body_model, service_of(request).limits.max_body_bytes)
+        return await handler(request, tenant, body=body)
 
-    return wrapped
+    return api_endpoint.endpoint(run, tenant_of=_tenant, render_error=error_response, public=public)
 
 
 def poll_seconds(request: Request) -> float:

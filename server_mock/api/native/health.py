@@ -16,7 +16,7 @@ async def health(request: Request, tenant: str):
         request.app.state.auth.tenant(request)
     except WorkerError:
         return {"status": "ok"}
-    return {"status": "ok", "models_loaded": sorted(service_of(request).hosts)}
+    return {"status": "ok", "models_loaded": sorted(service_of(request).models.hosts)}
 
 
 async def whoami(request: Request, tenant: str):
@@ -24,12 +24,12 @@ async def whoami(request: Request, tenant: str):
 
 
 async def capabilities(request: Request, tenant: str):
-    return GetServerCapabilitiesResponse(supported_models=service_of(request).capabilities())
+    return GetServerCapabilitiesResponse(supported_models=service_of(request).models.capabilities())
 
 
 async def tokenizer(request: Request, tenant: str):
     model = request.query_params.get("model", "")
-    return TokenizerFiles(model=model, files=await service_of(request).tokenizer_files(model))
+    return TokenizerFiles(model=model, files=await service_of(request).models.tokenizer_files(model))
 
 
 ROUTES = [

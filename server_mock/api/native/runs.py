@@ -1,33 +1,126 @@
-"""Training runs and their ops."""
+"""Training runs and their ops. A forward op's tensors are decoded from their wire form (base64) here, once, in a
+worker thread; its result's arrays are encoded back on the model's thread."""
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Iterator, Mapping
+
+import numpy as np
+from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.routing import Route
 
-from pytrio_compat.wire import CreateTrainingRun, TrainingOp
+from pytrio_compat.wire import (
+    Accepted,
+    CreateTrainingRun,
+    ForwardOp,
+    ModelOperationCapabilities,
+    TrainingOp,
+    TrainingRunInfo,
+    WireDatum,
+    WireTensor,
+)
 from server_mock.api.native.endpoint import endpoint, service_of
+from server_mock.errors import bad_request
+from server_mock.service.ops import ForwardBatch
+from server_mock.service.runs import TrainingRun
+from server_mock.service.worker import WorkerService
+
+
+def run_info(service: WorkerService, run: TrainingRun) -> TrainingRunInfo:
+    host = service.models.loaded(run.base_model)
+    return TrainingRunInfo(
+        training_run_id=run.run_id, base_model=run.base_model, lora=run.spec, vocab_size=host.vocab_size,
+        limits=ModelOperationCapabilities(max_tokens_per_request=service.limits.max_tokens_per_request,
+                                          max_seq_len=host.max_seq_len),
+        last_seq_id=run.last_seq,
+    )
+
+
+def op_digest(payload: BaseModel) -> str:
+    """The hash of an op's payload that tells a resent op (same hash) from a conflicting one."""
+    return hashlib.sha256(payload.model_dump_json().encode()).hexdigest()
+
+
+def wire_array(tensor: WireTensor, field_name: str) -> np.ndarray:
+    try:
+        return tensor.to_array()
+    except ValueError as exc:
+        raise bad_request(field_name, str(exc)) from None
+
+
+class WireRow(Mapping):
+    """One datum's arrays, decoded from base64 when the service reads them (an input the loss does not use is
+    never decoded); a bad tensor is a 400 naming its field."""
+
+    def __init__(self, datum: WireDatum, where: str) -> None:
+        self._datum, self._where = datum, where
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        if key == "tokens":
+            return wire_array(self._datum.tokens, f"{self._where}.tokens")
+        return wire_array(self._datum.loss_fn_inputs[key], f"{self._where}.loss_fn_inputs.{key}")
+
+    def __contains__(self, key: object) -> bool:
+        return key == "tokens" or key in self._datum.loss_fn_inputs
+
+    def __iter__(self) -> Iterator[str]:
+        yield "tokens"
+        yield from self._datum.loss_fn_inputs
+
+    def __len__(self) -> int:
+        return 1 + len(self._datum.loss_fn_inputs)
+
+
+def forward_batch(op: ForwardOp) -> ForwardBatch:
+    return ForwardBatch(loss_fn=op.loss_fn, data=[WireRow(d, f"data[{i}]") for i, d in enumerate(op.data)],
+                        backward=op.op == "forward_backward", loss_fn_config=op.loss_fn_config)
+
+
+def encode_forward_result(result: dict) -> dict:
+    """A forward result's arrays as wire tensors (on the model's thread, once)."""
+    return {"loss_fn_outputs": [{k: WireTensor.from_array(v).model_dump() for k, v in o.items()}
+                                for o in result["loss_fn_outputs"]],
+            "metrics": result["metrics"]}
 
 
 async def create_run(request: Request, tenant: str, body: CreateTrainingRun):
     service = service_of(request)
-    return await request.app.state.idempotency.remember(request, tenant,
-                                                        lambda: service.create_training_run(body, tenant))
+
+    async def create() -> TrainingRunInfo:
+        return run_info(service, await service.runs.create(body, tenant))
+
+    return await request.app.state.idempotency.remember(request, tenant, create)
 
 
 async def get_run(request: Request, tenant: str):
     service = service_of(request)
-    return service._run_info(service.get_run(request.path_params["run_id"], tenant))
+    return run_info(service, service.runs.get(request.path_params["run_id"], tenant))
 
 
 async def delete_run(request: Request, tenant: str):
-    await service_of(request).delete_run(request.path_params["run_id"], tenant)
+    await service_of(request).runs.delete(request.path_params["run_id"], tenant)
     return {"deleted": True}
 
 
 async def submit_op(request: Request, tenant: str, body: TrainingOp):
-    # a forward op's tensors are hashed and decoded in a worker thread, not on the event loop
-    return await service_of(request).submit_op_off_loop(request.path_params["run_id"], body, tenant)
+    service = service_of(request)
+    payload = body.payload
+    forward = isinstance(payload, ForwardOp)
+
+    def prepare(run: TrainingRun):  # in a worker thread: a forward op's digest, decoding and checks
+        digest = op_digest(payload)
+        if not forward:
+            return digest, payload
+        try:
+            return digest, service.runs.prepare(run, forward_batch(payload))
+        except Exception as exc:  # noqa: BLE001 - raised after the seq_id checks, as if prepared then
+            return digest, exc
+
+    admission = await service.runs.submit_off_loop(request.path_params["run_id"], tenant, body.seq_id, prepare,
+                                                   encode=encode_forward_result if forward else None)
+    return Accepted(request_id=admission.request_id, duplicate=admission.duplicate)
 
 
 ROUTES = [

@@ -21,15 +21,19 @@ import time
 import uuid
 from typing import Any
 
-from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
+from server_mock.api import bodies
+from server_mock.api.auth import Auth
 from server_mock.api.browser_safety import JSON, require_media_type
+from server_mock.api.endpoint import endpoint
 from server_mock.api.openai import render
 from server_mock.api.openai.protocol import Generation, parse_chat, parse_completion
 from server_mock.api.openai.serving import Generator
 from server_mock.errors import WorkerError
+from server_mock.service.worker import WorkerService
 
 logger = logging.getLogger("server_mock")
 
@@ -52,21 +56,7 @@ def error_response(exc: WorkerError) -> JSONResponse:
 async def read_json(request: Request, limit: int) -> Any:
     """The JSON body, sent as ``application/json`` (as the openai client does: see browser_safety.py)."""
     require_media_type(request, (JSON,), f"the body of {request.url.path.removeprefix(PREFIX)}")
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise WorkerError(413, "body_too_large", f"body: {declared} bytes exceeds limit max_body_bytes={limit}", "body")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise WorkerError(413, "body_too_large", f"body: exceeds limit max_body_bytes={limit}", "body")
-        chunks.append(chunk)
-    try:
-        return json.loads(b"".join(chunks) or b"null")
-    except ValueError:
-        raise WorkerError(400, "invalid_json", "body: not valid JSON", "body") from None
-    except RecursionError:
-        raise WorkerError(400, "invalid_json", "body: JSON nested too deeply", "body") from None
+    return (await bodies.read_json(request, limit))[0]
 
 
 # --- models -----------------------------------------------------------------------------------------
@@ -74,12 +64,12 @@ async def read_json(request: Request, limit: int) -> Any:
 
 def _model_entries(gen: Generator, tenant: str) -> list[dict]:
     service = gen.service
-    started = int(getattr(service, "started", time.time()))
+    started = int(service.started)
     data = [{"id": name, "object": "model", "created": started, "owned_by": "worker", "root": name, "parent": None}
             for name in gen.served_models()]
-    for entry in service.list_checkpoints(tenant, None).checkpoints:
+    for entry in service.checkpoints.list(tenant, None).checkpoints:
         if entry.kind == "sampler":
-            base = service.checkpoint_config(entry.path, tenant).base_model
+            base = service.checkpoints.config(entry.path, tenant).base_model
             data.append({"id": entry.path, "object": "model", "created": int(entry.created_at), "owned_by": "you",
                          "root": entry.path, "parent": base})
     return data
@@ -198,30 +188,20 @@ async def unknown_endpoint(gen: Generator, request: Request, tenant: str):
 # --- routes -------------------------------------------------------------------------------------------
 
 
-def openai_routes(service, auth) -> list[Route]:
+def openai_routes(service: WorkerService, auth: Auth) -> list[Route]:
     """The OpenAI-compatible routes, for the worker's Starlette app."""
     gen = Generator(service)
 
-    def endpoint(handler):
-        async def wrapped(request: Request) -> Response:
-            try:
-                tenant = auth.tenant(request)
-                result = await handler(gen, request, tenant)
-            except WorkerError as exc:
-                if exc.status == 401:
-                    exc = WorkerError(401, "invalid_api_key", exc.message)
-                return error_response(exc)
-            except ClientDisconnect:
-                return Response(status_code=499)
-            except Exception as exc:  # noqa: BLE001 - never a bare 500 without a message
-                logger.exception("openai: unhandled error in %s", request.url.path)
-                return error_response(WorkerError(500, "internal_error", f"{type(exc).__name__}: {exc}"))
-            return result if isinstance(result, Response) else JSONResponse(result)
-
-        return wrapped
+    def tenant_of(request: Request) -> str:
+        try:
+            return auth.tenant(request)
+        except WorkerError as exc:
+            raise WorkerError(401, "invalid_api_key", exc.message) from None
 
     def route(path: str, handler, methods: list[str]) -> Route:
-        return Route(PREFIX + path, endpoint(handler), methods=methods)
+        run = functools.partial(handler, gen)
+        return Route(PREFIX + path, endpoint(run, tenant_of=tenant_of, render_error=error_response, protocol="openai"),
+                     methods=methods)
 
     return [
         route("/models", list_models, ["GET"]),

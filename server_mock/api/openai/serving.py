@@ -16,7 +16,9 @@ from collections import OrderedDict
 from pytrio_compat.wire import CreateSampler, SampleRequest, WireSamplingParams
 from server_mock.api.openai.protocol import Generation
 from server_mock.api.openai.render import Choice, finish
+from server_mock.engine.queue import job_result
 from server_mock.errors import WorkerError
+from server_mock.service.worker import WorkerService
 
 MAX_CACHED_SAMPLERS = 4096
 
@@ -43,32 +45,19 @@ def openai_error(exc: WorkerError, prompt_field: str, max_tokens_field: str = "m
     return WorkerError(status, code, message, param)
 
 
-async def job_result(job) -> dict:
-    """Wait for a service job (engine.Job); its result, or its error as a WorkerError."""
-    if job.done is not None:
-        await job.done.wait()
-    if job.status == "failed":
-        err = job.error
-        if err is None:
-            raise WorkerError(500, "internal_error", f"{job.kind} failed")
-        server = err.code in ("internal_error", "out_of_memory")
-        raise WorkerError(500 if server else 400, err.code, err.message, err.field)
-    return job.result or {}
-
-
 class Generator:
-    def __init__(self, service) -> None:
+    def __init__(self, service: WorkerService) -> None:
         self.service = service
         self._samplers: OrderedDict[tuple[str, str], str] = OrderedDict()  # (tenant, model) -> sampler id
 
     def served_models(self) -> list[str]:
-        return [m.model_name for m in self.service.capabilities()]
+        return [m.model_name for m in self.service.models.capabilities()]
 
     async def resolve(self, model: str, tenant: str):
         """The sampler id and the model host for ``model``: a served base model or an owned trio:// path."""
         if model.startswith("trio://"):
             create = CreateSampler(model_path=model)
-        elif model in self.served_models() or getattr(self.service, "lazy_models", False):
+        elif model in self.served_models() or self.service.lazy_models:
             create = CreateSampler(base_model=model)  # with --lazy-models, any model the worker can load
         else:
             raise WorkerError(404, "model_not_found", f"model: {model!r} does not exist here: use one of the "
@@ -79,20 +68,19 @@ class Generator:
         sampler = None
         if sampler_id is not None:
             try:
-                sampler = self.service.get_sampler(sampler_id, tenant)
+                sampler = self.service.samplers.get(sampler_id, tenant)
             except WorkerError:
                 sampler = None  # evicted by newer samplers: make another
         if sampler is None:
             try:
-                info = await self.service.create_sampler(create, tenant)
+                sampler = await self.service.samplers.create(create, tenant)
             except WorkerError as exc:
                 raise openai_error(exc, "model") from None
-            sampler = self.service.get_sampler(info.sampler_id, tenant)
-            self._samplers[key] = info.sampler_id
+            self._samplers[key] = sampler.sampler_id
             while len(self._samplers) > MAX_CACHED_SAMPLERS:
                 self._samplers.popitem(last=False)
         self._samplers.move_to_end(key)
-        host = await self.service.host(sampler.base_model, "model")
+        host = await self.service.models.host(sampler.base_model, "model")
         return sampler.sampler_id, host
 
     def submit_all(self, sampler_id: str, host, prompts: list[list[int]], gen: Generation, tenant: str,
@@ -104,7 +92,7 @@ class Generator:
 
     def prepare(self, host, prompt: list[int], gen: Generation, prompt_field: str, which: str = "") -> SampleRequest:
         """One prompt's native sample request, checked against the vocabulary and the model's context."""
-        vocab = getattr(host, "vocab_size", None)
+        vocab = host.vocab_size
         bad = next((i for i, t in enumerate(prompt) if vocab is not None and not 0 <= t < vocab), None)
         if bad is not None:
             raise WorkerError(400, "token_id_out_of_range", f"{prompt_field}: token id {prompt[bad]} at position "
@@ -134,10 +122,9 @@ class Generator:
     def _submit(self, sampler_id: str, request: SampleRequest, tenant: str, prompt_field: str,
                 max_tokens_field: str = "max_tokens"):
         try:
-            accepted = self.service.submit_sample(sampler_id, request, tenant)
+            return self.service.samplers.submit(sampler_id, request, tenant)
         except WorkerError as exc:
             raise openai_error(exc, prompt_field, max_tokens_field) from None
-        return self.service.requests.get(accepted.request_id, tenant)
 
     async def choices(self, sampler_id: str, host, prompts: list[list[int]], jobs: list, gen: Generation,
                       tenant: str, prompt_field: str) -> list[Choice]:

@@ -1,25 +1,25 @@
-"""HTTP plumbing of the Tinker API: API keys, bounded bodies, JSON fields and error answers."""
+"""HTTP plumbing of the Tinker API: API keys (with Tinker's ``tml-`` prefix), bodies, JSON fields and error
+answers in Tinker's shape."""
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
 import json
-import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse
 
+from server_mock.api import bodies
+from server_mock.api import endpoint as api_endpoint
+from server_mock.api.auth import Auth
 from server_mock.api.browser_safety import JSON, require_media_type
 from server_mock.api.tinker.paths import tinker_message
 from server_mock.errors import WorkerError, bad_request
 
-logger = logging.getLogger("server_mock")
-
 PROTOBUF = "application/x-protobuf"
-BIG_BODY_BYTES = 1 << 20  # bodies above this are parsed off the event loop
 
 
 class _KeyOnly:
@@ -27,7 +27,7 @@ class _KeyOnly:
         self.headers = {"x-api-key": key}
 
 
-def tenant_of(auth, request: Request) -> str:
+def tenant_of(auth: Auth, request: Request) -> str:
     """The worker's API keys, sent as ``X-API-Key`` by the tinker client. The client insists on a
     ``tml-`` prefix, so a worker key ``K`` is also accepted as ``tml-K``."""
     try:
@@ -55,27 +55,19 @@ def error_response(exc: WorkerError) -> JSONResponse:
                         status_code=status, headers=headers)
 
 
-def endpoint(handler: Callable[..., Awaitable[Any]], state, auth, public: bool = False,
+def endpoint(handler: Callable[..., Awaitable[Any]], state, auth: Auth, public: bool = False,
              media: tuple[str, ...] = (JSON,)):
-    """A Starlette endpoint: the caller's tenant, the body's media type (one of ``media``), then
-    ``handler(state, request, tenant)``; a dict answer is sent as JSON, a WorkerError as its 4xx,
-    anything unexpected as a logged 422."""
+    """A Tinker route: the caller's tenant, the body's media type (one of ``media``), then
+    ``handler(state, request, tenant)``; errors answered in Tinker's shape."""
     what = f"the body of {handler.__name__}"
 
-    async def wrapped(request: Request) -> Response:
-        try:
-            tenant = "" if public else tenant_of(auth, request)
-            if carries_body(request):
-                require_media_type(request, media, what)
-            result = await handler(state, request, tenant)
-        except WorkerError as exc:
-            return error_response(exc)
-        except Exception as exc:
-            logger.exception("tinker: unhandled error in %s", request.url.path)
-            return error_response(WorkerError(500, "internal_error", f"{type(exc).__name__}: {exc}"))
-        return result if isinstance(result, Response) else JSONResponse(result)
+    async def run(request: Request, tenant: str):
+        if carries_body(request):
+            require_media_type(request, media, what)
+        return await handler(state, request, tenant)
 
-    return wrapped
+    return api_endpoint.endpoint(run, tenant_of=lambda request: tenant_of(auth, request), render_error=error_response,
+                                 public=public, protocol="tinker")
 
 
 def carries_body(request: Request) -> bool:
@@ -90,36 +82,7 @@ def carries_body(request: Request) -> bool:
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise WorkerError(413, "body_too_large", f"body: {declared} bytes exceeds limit max_body_bytes={limit}")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise WorkerError(413, "body_too_large", f"body: exceeds limit max_body_bytes={limit}")
-        chunks.append(chunk)
-    if len(chunks) == 1:
-        raw = chunks[0]
-    else:
-        raw = await asyncio.to_thread(b"".join, chunks) if size > BIG_BODY_BYTES else b"".join(chunks)
-    if request.headers.get("content-encoding", "").lower() == "zstd":
-        raw = await asyncio.to_thread(_unzstd, raw, limit)
-    return raw
-
-
-def _unzstd(raw: bytes, limit: int) -> bytes:
-    try:
-        import zstandard
-    except ImportError:
-        raise WorkerError(415, "unsupported_encoding", "zstd bodies need the zstandard package on the worker") from None
-    try:
-        out = zstandard.ZstdDecompressor().stream_reader(raw).read(limit + 1)
-    except zstandard.ZstdError as exc:
-        raise WorkerError(400, "invalid_encoding", f"body: not valid zstd ({exc})") from None
-    if len(out) > limit:
-        raise WorkerError(413, "body_too_large", f"body: exceeds limit max_body_bytes={limit} uncompressed")
-    return out
+    return await bodies.read_body(request, limit, allow_zstd=True)
 
 
 async def read_json(request: Request, limit: int) -> dict:
@@ -129,21 +92,11 @@ async def read_json(request: Request, limit: int) -> dict:
 async def read_json_sized(request: Request, limit: int) -> tuple[dict, int, str]:
     """The JSON object of the body, the body's size in bytes, and its digest (for re-sent requests).
     A large body is parsed and hashed off the event loop."""
-    raw = await read_body(request, limit)
-    if len(raw) > BIG_BODY_BYTES:
-        return await asyncio.to_thread(_parse_json, raw)
-    return _parse_json(raw)
-
-
-def _parse_json(raw: bytes) -> tuple[dict, int, str]:
-    try:
-        body = json.loads(raw or b"{}")
-    except ValueError:
-        raise WorkerError(400, "invalid_json", "body: not valid JSON") from None
-    except RecursionError:
-        raise WorkerError(400, "invalid_json", "body: JSON nested too deeply") from None
+    body, raw = await bodies.read_json(request, limit, allow_zstd=True, empty={})
     if not isinstance(body, dict):
-        raise WorkerError(400, "invalid_json", "body: expected a JSON object")
+        raise WorkerError(400, "invalid_json", "body: expected a JSON object", "body")
+    if len(raw) > bodies.BIG_BODY_BYTES:
+        return body, len(raw), await asyncio.to_thread(digest, body)
     return body, len(raw), digest(body)
 
 

@@ -12,7 +12,7 @@ import asyncio
 import logging
 import uuid
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,12 +23,11 @@ from starlette.responses import Response
 from server_mock.api.tinker.endpoint import PROTOBUF, field, read_json
 from server_mock.api.tinker.paths import tinker_message
 from server_mock.api.tinker.proto.decode import ProtoError
-from server_mock.engine.queue import Job
+from server_mock.engine.queue import SERVER_ERROR_CODES
 from server_mock.errors import WorkerError
 
 logger = logging.getLogger("server_mock")
 
-SERVER_ERROR_CODES = {"internal_error", "out_of_memory"}
 LONG_POLL_SECONDS = 30.0  # retrieve_future holds a pending future this long (the client gives up at 45 s)
 
 
@@ -125,24 +124,6 @@ class Futures:
 def _consume_exception(task: asyncio.Task) -> None:
     if not task.cancelled():
         task.exception()  # marks it retrieved; the poller reads it again from the task
-
-
-async def job_result(job: Job, convert: Callable[[dict], Any] | None = None) -> Any:
-    """Wait for a service job; its result through ``convert`` (which may be async), or its WorkerError."""
-    if job.done is not None:
-        await job.done.wait()
-    if job.status == "failed":
-        err = job.error
-        if err is None:
-            raise WorkerError(500, "internal_error", f"{job.kind} failed")
-        raise WorkerError(500 if err.code in SERVER_ERROR_CODES else 400, err.code, err.message, err.field)
-    result = job.result or {}
-    if convert is None:
-        return result
-    out = convert(result)
-    if asyncio.iscoroutine(out):
-        out = await out
-    return out
 
 
 # --- route --------------------------------------------------------------------------------------------

@@ -14,10 +14,11 @@ from starlette.requests import Request
 
 from pytrio_compat.wire import CreateSampler, SampleRequest, WireSamplingParams
 from server_mock.api.tinker.endpoint import field, read_json, read_json_sized
-from server_mock.api.tinker.futures import job_result, raise_
+from server_mock.api.tinker.futures import raise_
 from server_mock.api.tinker.paths import to_tinker_path, to_trio_path
 from server_mock.api.tinker.proto import encode as results
 from server_mock.api.tinker.state import TinkerState
+from server_mock.engine.queue import job_result
 from server_mock.errors import WorkerError, bad_request
 
 DEFAULT_MAX_TOKENS = 256  # sampling_params.max_tokens when the client leaves it unset
@@ -41,13 +42,13 @@ async def create_sampling_session(state: TinkerState, request: Request, tenant: 
     if key not in state.sampling_sessions:
         create = _create_body(body)
         state.count_creation(session, "sampling_session_seq_id")
-        info = await state.service.create_sampler(create, tenant)
-        state.sampling_sessions[key] = info.sampler_id
+        sampler = await state.service.samplers.create(create, tenant)
+        state.sampling_sessions[key] = sampler.sampler_id
     return {"sampling_session_id": state.sampling_sessions[key], "type": "create_sampling_session"}
 
 
 async def get_sampler(state: TinkerState, request: Request, tenant: str):
-    sampler = state.service.get_sampler(request.path_params["sampler_id"], tenant)
+    sampler = state.service.samplers.get(request.path_params["sampler_id"], tenant)
     return {"sampler_id": sampler.sampler_id, "base_model": sampler.base_model,
             "model_path": to_tinker_path(sampler.model_path) if sampler.model_path else None}
 
@@ -130,7 +131,7 @@ async def _sampler_for(state: TinkerState, body: dict, tenant: str) -> tuple[str
     create = _create_body(body)
     known = state.implicit_sampler(tenant, create.base_model, create.model_path)
     if known is None:
-        known = (await state.service.create_sampler(create, tenant)).sampler_id
+        known = (await state.service.samplers.create(create, tenant)).sampler_id
         state.keep_implicit_sampler(tenant, create.base_model, create.model_path, known)
     return known, True
 
@@ -139,7 +140,7 @@ async def asample(state: TinkerState, request: Request, tenant: str):
     body, _, body_digest = await read_json_sized(request, state.body_limit)
     service = state.service
     sampler_id, shared = await _sampler_for(state, body, tenant)
-    sampler = service.get_sampler(sampler_id, tenant)
+    sampler = service.samplers.get(sampler_id, tenant)
     seq_id = field(body, "seq_id", int, required=False)
     key = (sampler.sampler_id, seq_id)
     dedupe = seq_id is not None and not shared  # shared samplers serve many clients: no seq_id of their own
@@ -152,10 +153,9 @@ async def asample(state: TinkerState, request: Request, tenant: str):
     count = num if isinstance(num, int) and 0 < num <= service.limits.max_num_samples else 0
     sequence_ids = [f"{request_id}:{i}" for i in range(count)]
     try:
-        host = await service.host(sampler.base_model)
+        host = await service.models.host(sampler.base_model)
         wire, last_n, topk = sample_request(state, body, host.max_seq_len)
-        accepted = service.submit_sample(sampler.sampler_id, wire, tenant)
-        job = service.requests.get(accepted.request_id, tenant)
+        job = service.samplers.submit(sampler.sampler_id, wire, tenant)
     except WorkerError as exc:
         if exc.status == 429:  # backpressure: the client waits a moment and re-sends
             raise

@@ -53,7 +53,7 @@ async def finish_session(state: TinkerState, request: Request, tenant: str):
 
 async def capabilities(state: TinkerState, request: Request, tenant: str):
     return {"supported_models": [{"model_name": m.model_name, "max_context_length": m.max_context_length,
-                                  "trainable": True, "sampleable": True} for m in state.service.capabilities()]}
+                                  "trainable": True, "sampleable": True} for m in state.service.models.capabilities()]}
 
 
 async def healthz(state: TinkerState, request: Request, tenant: str):
@@ -79,8 +79,8 @@ async def create_model(state: TinkerState, request: Request, tenant: str):
             raise bad_request("optimizer_config.type", f"{optimizer.get('type')!r} is not supported; this "
                                                        "worker trains with adamw only")
         spec = LoraSpec(**{k: lora[k] for k in LORA_FIELDS if lora.get(k) is not None})
-        info = await state.service.create_training_run(CreateTrainingRun(base_model=base_model, lora=spec), tenant)
-        await state.register(session, model_id, info.training_run_id, info.base_model)
+        run = await state.service.runs.create(CreateTrainingRun(base_model=base_model, lora=spec), tenant)
+        await state.register(session, model_id, run.run_id, run.base_model)
         return {"model_id": model_id, "type": "create_model"}
 
     request_id = state.futures.add_guarded(tenant, create())
@@ -97,11 +97,11 @@ async def get_info(state: TinkerState, request: Request, tenant: str):
     """
     body = await read_json(request, state.body_limit)
     model = state.model(field(body, "model_id", str), tenant)
-    run = state.service.get_run(model.run_id, tenant)
-    host = await state.service.host(run.base_model)
+    run = state.service.runs.get(model.run_id, tenant)
+    host = await state.service.models.host(run.base_model)
     return {
         "type": "get_info", "model_id": model.model_id, "is_lora": True, "lora_rank": run.spec.rank,
         "model_name": run.base_model,
-        "model_data": {"arch": getattr(host.model.config, "model_type", None), "model_name": run.base_model,
+        "model_data": {"arch": host.model_type, "model_name": run.base_model,
                        "tokenizer_id": run.base_model},
     }

@@ -20,6 +20,7 @@ from server_mock.api.tinker.gate import SeqGate
 from server_mock.api.tinker.holding import HeldBytes
 from server_mock.api.tinker.proto.decode import ElementBudget
 from server_mock.errors import WorkerError
+from server_mock.service.worker import WorkerService
 
 logger = logging.getLogger("server_mock")
 
@@ -54,7 +55,7 @@ class TinkerModel:
 
 
 class TinkerState:
-    def __init__(self, service) -> None:
+    def __init__(self, service: WorkerService) -> None:
         self.service = service
         limits = service.limits
         self.body_limit = limits.max_body_bytes
@@ -141,7 +142,7 @@ class TinkerState:
 
     async def _delete_run(self, run_id: str, tenant: str) -> None:
         try:
-            await self.service.delete_run(run_id, tenant)
+            await self.service.runs.delete(run_id, tenant)
         except WorkerError:
             pass
 
@@ -154,7 +155,7 @@ class TinkerState:
         if sampler_id is None:
             return None
         try:
-            self.service.get_sampler(sampler_id, tenant)
+            self.service.samplers.get(sampler_id, tenant)
         except WorkerError:
             del cache[(base_model, model_path)]
             return None

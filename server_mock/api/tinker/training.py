@@ -1,76 +1,29 @@
-"""Tinker routes that train a model: ``forward_backward`` (a protobuf body) and ``optim_step``, and
-the seq_id-ordered hand-over to the service that every training-model operation goes through.
+"""Tinker routes that train a model: ``forward_backward`` (a protobuf body) and ``optim_step``, handed to the
+service in seq_id order by ``submit.gated``.
 
-A forward_backward body is parsed, checked and turned into the service's op in a worker thread, so
-the event loop never decodes, copies or base64-encodes tensors. A request that has to wait for an
-earlier seq_id keeps only its body, the smaller form, and is decoded again in a thread when its turn
-comes. Results are encoded to protobuf in a thread too.
+A forward_backward body is parsed, checked and turned into the service's op (numpy arrays, straight from the
+protobuf's bytes) in a worker thread, so the event loop never decodes or copies tensors. A request that has to
+wait for an earlier seq_id keeps only its body, the smaller form, and is decoded again in a thread when its
+turn comes. Results are encoded to protobuf in a thread too.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from starlette.requests import Request
 
-from pytrio_compat.wire import AdamParams, ForwardOp, OptimStepOp, WireDatum, WireTensor
+from pytrio_compat.wire import AdamParams, OptimStepOp
 from server_mock.api.tinker.endpoint import digest, field, read_body, read_json_sized
-from server_mock.api.tinker.futures import job_result, raise_
-from server_mock.api.tinker.holding import Slim
 from server_mock.api.tinker.paths import tinker_metrics
 from server_mock.api.tinker.proto import decode as proto
 from server_mock.api.tinker.proto import encode as results
 from server_mock.api.tinker.state import TinkerModel, TinkerState
+from server_mock.api.tinker.submit import gated
 from server_mock.errors import WorkerError, bad_request
-from server_mock.service.ops import DATUM_OVERHEAD_BYTES, PreparedOp, prepare_forward
-
-
-def submit_op(state: TinkerState, model: TinkerModel, tenant: str, payload, body_digest: str,
-              convert: Callable[[dict], Any] | None) -> Awaitable[Any]:
-    """Hand one op to the service, after its predecessors; the awaitable of its result.
-
-    An invalid op's awaitable raises its error. Only a full queue (429) raises here.
-    """
-    service = state.service
-    try:
-        run = service.get_run(model.run_id, tenant)
-        work = payload() if callable(payload) else payload  # a payload, a PreparedOp, or why preparing failed
-        accepted = service.submit_prepared(model.run_id, run.last_seq + 1, work, body_digest, tenant)
-        job = service.requests.get(accepted.request_id, tenant)
-    except WorkerError as exc:
-        if exc.status == 429:
-            raise
-        return raise_(exc)
-    except Exception as exc:  # noqa: BLE001
-        return raise_(exc)
-    return job_result(job, convert)
-
-
-def gated(state: TinkerState, tenant: str, model: TinkerModel, seq_id: Any, body_digest: str, payload,
-          convert: Callable[[dict], Any] | None, size: int,
-          reload: tuple[int, Callable[[], Any]] | None = None) -> dict:
-    """Admit one operation of ``model`` in seq_id order; its future's id. ``size``: the bytes it keeps
-    while it waits for an earlier seq_id; ``reload``: a smaller form to keep instead, as (its size, a
-    function run in a thread that gives back the payload)."""
-    if isinstance(seq_id, bool) or not isinstance(seq_id, int):
-        raise bad_request("seq_id", "required: an integer")
-
-    def submitter(payload) -> Callable[[], Awaitable[Any]]:
-        return lambda: submit_op(state, model, tenant, payload, body_digest, convert)
-
-    slim = None
-    if reload is not None:
-        reload_size, load = reload
-        slim = Slim(reload_size, lambda: submitter(load()))
-    request_id = model.gate.admit(
-        seq_id, body_digest, submitter(payload), lambda work: state.futures.add_guarded(tenant, work),
-        lambda message: state.futures.add_failed(tenant, bad_request("seq_id", message, code="seq_id_conflict")),
-        size, slim)
-    return {"request_id": request_id, "model_id": model.model_id}
-
+from server_mock.service.ops import DATUM_OVERHEAD_BYTES, ForwardBatch, PreparedOp
 
 # --- forward_backward ---------------------------------------------------------------------------------
 
@@ -80,9 +33,9 @@ class DecodedForward:
     model_id: str
     seq_id: int
     digest: str
-    op: ForwardOp | None = None
+    op: ForwardBatch | None = None
     error: proto.ProtoError | None = None
-    size: int = 0  # of the op in the service's base64 form
+    size: int = 0  # of the op's arrays
 
 
 def decode_forward(raw: bytes, budget: proto.ElementBudget) -> DecodedForward:
@@ -94,33 +47,29 @@ def decode_forward(raw: bytes, budget: proto.ElementBudget) -> DecodedForward:
     out = DecodedForward(message.model_id, message.seq_id, digest(raw))
     try:
         req = proto.decode_forward_backward_request(message, budget)
-        data = [WireDatum(tokens=WireTensor.from_array(d.tokens),
-                          loss_fn_inputs={k: WireTensor.from_array(v) for k, v in d.loss_fn_inputs.items()})
-                for d in req.data]
     except proto.ProtoError as exc:
         out.error = exc
         return out
-    out.op = ForwardOp(op="forward" if req.forward_only else "forward_backward", loss_fn=req.loss_fn,
-                       loss_fn_config=req.loss_fn_config, data=data)
-    out.size = sum(DATUM_OVERHEAD_BYTES + len(d.tokens.b64) + sum(len(t.b64) for t in d.loss_fn_inputs.values())
-                   for d in data)
+    data = [{**d.loss_fn_inputs, "tokens": d.tokens} for d in req.data]  # a loss input named "tokens" is not one
+    out.op = ForwardBatch(loss_fn=req.loss_fn, data=data, backward=not req.forward_only,
+                          loss_fn_config=req.loss_fn_config)
+    out.size = sum(DATUM_OVERHEAD_BYTES + sum(array.nbytes for array in row.values()) for row in data)
     return out
 
 
-def preparer(state: TinkerState, model: TinkerModel, tenant: str) -> Callable[[ForwardOp], PreparedOp | Exception]:
-    """On the event loop: a function, run in a thread, that checks one of this model's forward ops and
-    decodes its tensors for the service, or gives back the error (raised when the op's turn comes)."""
-    service = state.service
+def preparer(state: TinkerState, model: TinkerModel, tenant: str) -> Callable[[ForwardBatch], PreparedOp | Exception]:
+    """On the event loop: a function, run in a thread, that checks one of this model's forward ops for the
+    service, or gives back the error (raised when the op's turn comes)."""
+    runs = state.service.runs
     try:
-        run = service.get_run(model.run_id, tenant)
-        host = service.hosts[run.base_model]
+        run = runs.get(model.run_id, tenant)
     except Exception as exc:  # noqa: BLE001 - the op's future carries it
         error = exc
         return lambda op: error
 
-    def prepare(op: ForwardOp) -> PreparedOp | Exception:
+    def prepare(op: ForwardBatch) -> PreparedOp | Exception:
         try:
-            return prepare_forward(op, host, run.adapter, service.limits, service.fault_injection)
+            return runs.prepare(run, op)
         except Exception as exc:  # noqa: BLE001
             return exc
 
@@ -128,9 +77,8 @@ def preparer(state: TinkerState, model: TinkerModel, tenant: str) -> Callable[[F
 
 
 def encode_forward_result(result: dict) -> bytes:
-    outputs = [{k: WireTensor.model_validate(v).to_array() for k, v in o.items()}
-               for o in result.get("loss_fn_outputs", [])]
-    return results.encode_forward_backward_output(outputs, tinker_metrics(result.get("metrics", {})))
+    return results.encode_forward_backward_output(result.get("loss_fn_outputs", []),
+                                                  tinker_metrics(result.get("metrics", {})))
 
 
 async def forward_result(result: dict) -> bytes:
@@ -168,7 +116,7 @@ def _raise_now(exc: BaseException):
     raise exc
 
 
-def _op_again(raw: bytes, budget: proto.ElementBudget, prepare: Callable[[ForwardOp], PreparedOp | Exception]):
+def _op_again(raw: bytes, budget: proto.ElementBudget, prepare: Callable[[ForwardBatch], PreparedOp | Exception]):
     decoded = decode_forward(raw, budget)
     if decoded.error is not None:  # checked once already: only a changed limit could get here
         raise decoded.error

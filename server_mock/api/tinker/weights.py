@@ -12,7 +12,7 @@ from pytrio_compat.wire import CreateSampler, CreateTrainingRun, LoadOp, SaveOp
 from server_mock.api.tinker.endpoint import field, read_json, read_json_sized
 from server_mock.api.tinker.paths import to_tinker_path, to_trio_path
 from server_mock.api.tinker.state import TinkerState
-from server_mock.api.tinker.training import gated
+from server_mock.api.tinker.submit import gated
 
 
 async def save_weights(state: TinkerState, request: Request, tenant: str):
@@ -46,8 +46,8 @@ async def save_weights_for_sampler(state: TinkerState, request: Request, tenant:
             return SaveOp(op="save_weights_for_sampler", name=f"tinker-{uuid.uuid4().hex[:16]}", ephemeral=True)
 
         async def convert(result: dict) -> dict:
-            info = await state.service.create_sampler(CreateSampler(model_path=result["path"]), tenant)
-            return {"sampling_session_id": info.sampler_id, "type": "save_weights_for_sampler"}
+            sampler = await state.service.samplers.create(CreateSampler(model_path=result["path"]), tenant)
+            return {"sampling_session_id": sampler.sampler_id, "type": "save_weights_for_sampler"}
 
     return gated(state, tenant, model, body.get("seq_id"), body_digest, payload, convert, size)
 
@@ -81,8 +81,8 @@ async def load_weights(state: TinkerState, request: Request, tenant: str):
     async def create() -> dict:
         create_body = CreateTrainingRun(base_model=base_model, from_checkpoint=to_trio_path(path),
                                         load_optimizer=with_optimizer)
-        info = await state.service.create_training_run(create_body, tenant)
-        await state.register(session, model_id, info.training_run_id, info.base_model)
+        run = await state.service.runs.create(create_body, tenant)
+        await state.register(session, model_id, run.run_id, run.base_model)
         return {"path": path, "model_id": model_id, "type": "load_weights"}
 
     request_id = state.futures.add_guarded(tenant, create())
@@ -92,7 +92,7 @@ async def load_weights(state: TinkerState, request: Request, tenant: str):
 
 async def weights_info(state: TinkerState, request: Request, tenant: str):
     body = await read_json(request, state.body_limit)
-    config = state.service.checkpoint_config(to_trio_path(field(body, "tinker_path", str), "tinker_path"), tenant)
+    config = state.service.checkpoints.config(to_trio_path(field(body, "tinker_path", str), "tinker_path"), tenant)
     return {"base_model": config.base_model, "is_lora": True, "lora_rank": config.lora.rank,
             "train_unembed": config.lora.train_unembed, "train_mlp": config.lora.train_mlp,
             "train_attn": config.lora.train_attn}

@@ -1,0 +1,57 @@
+"""The one way a route becomes a Starlette endpoint, for every protocol.
+
+``endpoint(handler, tenant_of=..., render_error=...)`` authenticates the caller (unless the route is public),
+runs ``handler(request, tenant)`` and answers: a ``Response`` as is, a pydantic model or a dict as JSON, a
+``WorkerError`` through the protocol's own error renderer, a client that went away with 499, and anything
+unexpected as a logged 500 with a message (which the renderer may map to its protocol's status). Every answer
+carries an ``x-request-id`` that the log lines of the request also name.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from pydantic import BaseModel
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+
+from server_mock.errors import WorkerError
+
+logger = logging.getLogger("server_mock")
+
+Handler = Callable[[Request, str], Awaitable[Any]]
+TenantOf = Callable[[Request], str]
+RenderError = Callable[[WorkerError], Response]
+
+
+def endpoint(handler: Handler, *, tenant_of: TenantOf, render_error: RenderError, public: bool = False,
+             protocol: str = "") -> Callable[[Request], Awaitable[Response]]:
+    async def wrapped(request: Request) -> Response:
+        request_id = uuid.uuid4().hex[:12]
+        try:
+            tenant = "" if public else tenant_of(request)
+            result = await handler(request, tenant)
+        except WorkerError as exc:
+            return _tagged(render_error(exc), request_id)
+        except ClientDisconnect:  # the client went away mid-body: nothing was queued, nobody to answer
+            logger.debug("client disconnected while sending %s", request.url.path)
+            return Response(status_code=499)
+        except Exception as exc:  # noqa: BLE001 - never a bare 500 without a message
+            logger.exception("%sunhandled error in %s (request %s)", f"{protocol}: " if protocol else "",
+                             request.url.path, request_id)
+            return _tagged(render_error(WorkerError(500, "internal_error", f"{type(exc).__name__}: {exc}")),
+                           request_id)
+        if isinstance(result, Response):
+            return _tagged(result, request_id)
+        payload = result.model_dump(mode="json") if isinstance(result, BaseModel) else result
+        return JSONResponse(payload, headers={"x-request-id": request_id})
+
+    return wrapped
+
+
+def _tagged(response: Response, request_id: str) -> Response:
+    response.headers.setdefault("x-request-id", request_id)
+    return response

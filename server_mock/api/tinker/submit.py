@@ -1,0 +1,59 @@
+"""The ordered hand-over of a Tinker training model's operations to the service.
+
+Every operation on a training model (forward_backward, optim_step, saves, loads) is admitted by the model's
+``SeqGate`` in Tinker's ``seq_id`` order and then handed to the service as the run's next op
+(``Runs.submit(seq_id=None)``): the gate orders, the service executes, and nothing invents a native seq_id.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from server_mock.api.tinker.futures import raise_
+from server_mock.api.tinker.holding import Slim
+from server_mock.api.tinker.state import TinkerModel, TinkerState
+from server_mock.engine.queue import job_result
+from server_mock.errors import WorkerError, bad_request
+
+
+def submit_op(state: TinkerState, model: TinkerModel, tenant: str, payload, body_digest: str,
+              convert: Callable[[dict], Any] | None) -> Awaitable[Any]:
+    """Hand one op to the service, after its predecessors; the awaitable of its result.
+
+    ``payload``: the op, its ``PreparedOp``, why preparing it failed, or a function giving one of those.
+    An invalid op's awaitable raises its error. Only a full queue (429) raises here.
+    """
+    try:
+        work = payload() if callable(payload) else payload
+        admission = state.service.runs.submit(model.run_id, work, tenant, seq_id=None, body_hash=body_digest)
+    except WorkerError as exc:
+        if exc.status == 429:
+            raise
+        return raise_(exc)
+    except Exception as exc:  # noqa: BLE001
+        return raise_(exc)
+    return job_result(admission.job, convert)
+
+
+def gated(state: TinkerState, tenant: str, model: TinkerModel, seq_id: Any, body_digest: str, payload,
+          convert: Callable[[dict], Any] | None, size: int,
+          reload: tuple[int, Callable[[], Any]] | None = None) -> dict:
+    """Admit one operation of ``model`` in seq_id order; its future's id. ``size``: the bytes it keeps
+    while it waits for an earlier seq_id; ``reload``: a smaller form to keep instead, as (its size, a
+    function run in a thread that gives back the payload)."""
+    if isinstance(seq_id, bool) or not isinstance(seq_id, int):
+        raise bad_request("seq_id", "required: an integer")
+
+    def submitter(payload) -> Callable[[], Awaitable[Any]]:
+        return lambda: submit_op(state, model, tenant, payload, body_digest, convert)
+
+    slim = None
+    if reload is not None:
+        reload_size, load = reload
+        slim = Slim(reload_size, lambda: submitter(load()))
+    request_id = model.gate.admit(
+        seq_id, body_digest, submitter(payload), lambda work: state.futures.add_guarded(tenant, work),
+        lambda message: state.futures.add_failed(tenant, bad_request("seq_id", message, code="seq_id_conflict")),
+        size, slim)
+    return {"request_id": request_id, "model_id": model.model_id}

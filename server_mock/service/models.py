@@ -1,0 +1,133 @@
+"""The served base models: where each comes from, its host (loaded on first use) and its queue.
+
+A model is loaded once, in a worker thread, and then lives for the worker's lifetime. Work for it runs on its
+queue's thread (engine/queue.py); a short control operation waits for its result with ``run_on_model``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import tempfile
+from pathlib import Path
+
+import torch
+
+from pytrio_compat.wire import ModelOperationCapabilities, SupportedModel
+from server_mock.config import Limits, TrainOptions
+from server_mock.engine.host import ModelHost
+from server_mock.engine.local_host import LocalModelHost
+from server_mock.engine.queue import ModelQueue, job_result
+from server_mock.engine.requests import RequestStore
+from server_mock.errors import WorkerError
+
+logger = logging.getLogger("server_mock")
+
+
+class Models:
+    def __init__(self, sources: dict[str, str], device: str, dtype: torch.dtype, requests: RequestStore,
+                 limits: Limits, train_options: TrainOptions, lazy: bool = False, cluster=None) -> None:
+        self.sources = dict(sources)
+        self.device = device
+        self.dtype = dtype
+        self.requests = requests
+        self.limits = limits
+        self.train_options = train_options
+        self.lazy = lazy  # also load any model a client names (the embedded worker)
+        self.cluster = cluster  # a server_mock.cluster.Cluster: models live on Ray actors (None: in this process)
+        self.hosts: dict[str, ModelHost] = {}
+        self.queues: dict[str, ModelQueue] = {}
+        self._load_locks: dict[str, asyncio.Lock] = {}
+        self._tokenizer_files: dict[str, dict[str, str]] = {}
+
+    def _source_for(self, name: str, field_name: str) -> str:
+        if name in self.sources:
+            return self.sources[name]
+        if self.lazy and name:
+            return name
+        served = ", ".join(sorted(self.sources)) or "none"
+        raise WorkerError(404, "model_not_found", f"{field_name}: model {name!r} is not served here "
+                                                  f"(served: {served}); start the worker with --model {name}=PATH",
+                          field_name)
+
+    def is_served(self, name: str) -> bool:
+        return name in self.sources or name in self.hosts
+
+    async def host(self, name: str, field_name: str = "base_model") -> ModelHost:
+        """The model's host, loaded on first use."""
+        if name in self.hosts:
+            return self.hosts[name]
+        source = self._source_for(name, field_name)
+        lock = self._load_locks.setdefault(name, asyncio.Lock())
+        async with lock:
+            if name not in self.hosts:
+                logger.info("loading model %s from %s", name, source)
+                try:
+                    make_host = self.cluster.model_host if self.cluster is not None else LocalModelHost
+                    host = await asyncio.to_thread(make_host, name, source, self.device, self.dtype,
+                                                   self.limits.max_seq_len, self.train_options)
+                except WorkerError:  # e.g. model_not_supported: already says what is missing
+                    raise
+                except Exception as exc:  # noqa: BLE001 - report why the model could not load
+                    raise WorkerError(404 if self.lazy else 500, "model_load_failed",
+                                      f"{field_name}: could not load model {name!r}: {exc}", field_name) from exc
+                self.queues[name] = ModelQueue(name, asyncio.get_running_loop())
+                if self.cluster is not None:  # samples go to the replicas from their own queue, beside training
+                    self.queues[f"{name}:sampling"] = host.sampling_queue(asyncio.get_running_loop())
+                self.hosts[name] = host
+        return self.hosts[name]
+
+    def loaded(self, name: str) -> ModelHost:
+        """The host of a model already in use (a run's or a sampler's)."""
+        return self.hosts[name]
+
+    def queue(self, name: str) -> ModelQueue:
+        return self.queues[name]
+
+    def sampling_queue(self, name: str) -> ModelQueue:
+        """Where sample requests for the model go: a Ray-backed model has its own, drained per replica."""
+        return self.queues.get(f"{name}:sampling") or self.queues[name]
+
+    async def run_on_model(self, model: str, kind: str, fn, owner: str = "") -> dict:
+        """Queue work on a model's thread, in ``owner``'s lane, and wait for it (short control operations)."""
+        job = self.requests.new_job(kind, fn, owner)
+        self.queues[model].put(job)
+        return await job_result(job)
+
+    def queue_position(self, request_id: str) -> int | None:
+        """How many requests run before this queued one (None once it runs, or if unknown)."""
+        for queue in self.queues.values():
+            position = queue.position(request_id)
+            if position is not None:
+                return position
+        return None
+
+    def capabilities(self) -> list[SupportedModel]:
+        names = sorted(set(self.sources) | set(self.hosts))
+        out = []
+        for name in names:
+            host = self.hosts.get(name)
+            max_len = host.max_seq_len if host else None
+            limits = ModelOperationCapabilities(available=True, max_seq_len=max_len,
+                                                max_tokens_per_request=self.limits.max_tokens_per_request)
+            out.append(SupportedModel(model_name=name, max_context_length=max_len, training=limits, sampling=limits))
+        return out
+
+    async def tokenizer_files(self, model: str) -> dict[str, str]:
+        host = await self.host(model, "model")
+        if model not in self._tokenizer_files:
+            self._tokenizer_files[model] = await asyncio.to_thread(_tokenizer_files, host)
+        return self._tokenizer_files[model]
+
+    def stop(self) -> None:
+        for queue in self.queues.values():
+            queue.stop()
+        if self.cluster is not None:
+            self.cluster.close()
+
+
+def _tokenizer_files(host: ModelHost) -> dict[str, str]:
+    with tempfile.TemporaryDirectory() as tmp:
+        host.tokenizer.save_pretrained(tmp)
+        return {p.name: base64.b64encode(p.read_bytes()).decode("ascii") for p in Path(tmp).iterdir() if p.is_file()}
