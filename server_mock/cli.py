@@ -11,6 +11,8 @@ import sys
 import warnings
 from pathlib import Path
 
+from server_mock.config import Limits, TrainOptions, add_flags, from_args
+
 
 def _parse_model(value: str) -> tuple[str, str]:
     name, sep, source = value.partition("=")
@@ -45,39 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     serve.add_argument("--result-ttl", type=float, default=3600.0,
                        help="seconds a finished request's result is kept for polling (default 3600)")
-    serve.add_argument("--max-body-bytes", type=int, default=64 * 1024 * 1024)
-    serve.add_argument("--max-seq-len", type=int, default=8192)
-    serve.add_argument("--max-tokens-per-request", type=int, default=262_144)
-    serve.add_argument("--max-sample-tokens", type=int, default=8192)
-    serve.add_argument("--max-num-samples", type=int, default=256)
-    serve.add_argument("--max-training-runs", type=int, default=64, help="training runs per API key")
-    serve.add_argument("--max-adapters", type=int, default=256, help="training runs on this worker, all keys together")
-    serve.add_argument("--max-queued-requests", type=int, default=1024,
-                       help="training ops and samples queued or running, per API key (more get 429 + Retry-After)")
-    serve.add_argument("--max-samplers", type=int, default=1024,
-                       help="sampling clients kept per API key (its least recently used dropped first)")
     serve.add_argument("--allow-adapter-dir", action="append", default=[], metavar="DIR",
                        help="let clients sample from PEFT adapter folders under DIR "
                             "(create_sampling_client(model_path=...)); repeatable")
-    serve.add_argument("--max-snapshots", type=int, default=16,
-                       help="in-memory sampler snapshots kept per API key (save_weights_and_get_sampling_client); "
-                            "its least recently used dropped first")
-    serve.add_argument("--max-stop-strings", type=int, default=16, help="stop strings per sample request")
-    serve.add_argument("--max-stop-string-bytes", type=int, default=256, help="UTF-8 bytes of one stop string")
-    serve.add_argument("--max-stop-token-ids", type=int, default=1024, help="stop token ids per sample request")
-    serve.add_argument("--micro-batch-tokens", type=int, default=2048,
-                       help="padded tokens per forward/backward pass (bounds activation and logit memory)")
-    serve.add_argument("--autocast", default="off", choices=["off", "bf16"],
-                       help="bf16 autocast in forward/backward (faster; trainer logprobs then differ from the "
-                            "float32 sampler's by ~1e-2)")
-    serve.add_argument("--activation-checkpointing", action="store_true",
-                       help="recompute activations in backward: less memory, ~30%% more time")
-    serve.add_argument("--no-float32-head", dest="float32_head", action="store_false",
-                       help="compute the output head in the model's dtype (by default it runs in float32 in the "
-                            "sampler and the trainer, which keeps bf16 logprobs of the two sides closer)")
-    serve.add_argument("--prefix-share-min-tokens", type=int, default=32, metavar="N",
-                       help="in one forward/backward call, datums sharing at least N leading tokens (a GRPO group's "
-                            "prompt) run them once; the results are unchanged. 0 disables (default 32)")
+    add_flags(serve.add_argument_group("limits"), Limits)
+    add_flags(serve.add_argument_group("forward/backward"), TrainOptions)
     ray = serve.add_argument_group("Ray cluster (pip install -e .[worker,cluster]; docs/scaling.md)")
     ray.add_argument("--ray", metavar="auto|ADDRESS",
                      help="run the models on a Ray cluster: auto joins a running one or starts a local one, HOST:PORT "
@@ -121,7 +95,6 @@ def serve(args: argparse.Namespace) -> None:
     import uvicorn
 
     from server_mock.app import create_app
-    from server_mock.config import Limits, TrainOptions
     from server_mock.engine.loading import resolve_device, resolve_dtype
     from server_mock.service.worker import WorkerService
 
@@ -137,28 +110,19 @@ def serve(args: argparse.Namespace) -> None:
                  "need --ray auto|ADDRESS")
     cluster = _join_cluster(args) if args.ray else None
     device = cluster.config.device if cluster is not None else resolve_device(args.device)
-    limits = Limits(max_body_bytes=args.max_body_bytes, max_seq_len=args.max_seq_len,
-                    max_tokens_per_request=args.max_tokens_per_request, max_sample_tokens=args.max_sample_tokens,
-                    max_num_samples=args.max_num_samples, max_training_runs=args.max_training_runs,
-                    max_adapters=args.max_adapters, max_queued_requests=args.max_queued_requests,
-                    max_samplers=args.max_samplers, max_snapshots=args.max_snapshots,
-                    max_stop_strings=args.max_stop_strings, max_stop_string_bytes=args.max_stop_string_bytes,
-                    max_stop_token_ids=args.max_stop_token_ids)
+    try:
+        limits, train_options = from_args(Limits, args), from_args(TrainOptions, args)
+    except ValueError as exc:
+        sys.exit(str(exc))
     for folder in args.allow_adapter_dir:
         if not Path(folder).is_dir():
             sys.exit(f"--allow-adapter-dir {folder}: not a folder")
     if args.result_ttl <= 0:
         sys.exit("--result-ttl must be positive")
-    if args.prefix_share_min_tokens < 0:
-        sys.exit("--prefix-share-min-tokens must be >= 0 (0 disables prefix sharing)")
     service = WorkerService(dict(args.model), args.storage, device, resolve_dtype(args.dtype, device),
                             lazy_models=args.lazy_models, limits=limits, result_ttl=args.result_ttl,
                             allow_adapter_dirs=args.allow_adapter_dir,
-                            train_options=TrainOptions(micro_batch_tokens=args.micro_batch_tokens,
-                                                       autocast_bf16=args.autocast == "bf16",
-                                                       activation_checkpointing=args.activation_checkpointing,
-                                                       float32_head=args.float32_head,
-                                                       prefix_share_min_tokens=args.prefix_share_min_tokens),
+                            train_options=train_options,
                             cluster=cluster)
     if service.fault_injection:
         logging.getLogger("server_mock").warning("fault injection is ON (PYTRIO_WORKER_FAULT_INJECTION): requests "

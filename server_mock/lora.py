@@ -23,15 +23,21 @@ LORA_ALPHA = 32  # fixed alpha: the effective scale is alpha / rank, as in most 
 
 @dataclass
 class Adapter:
+    """A run's LoRA: its parameters (float32 master weights) and their AdamW (``training/adamw.py``)."""
+
     adapter_id: str
     spec: LoraSpec
     seed: int
     params: dict[str, nn.Parameter] = field(default_factory=dict)
-    exp_avg: dict[str, torch.Tensor] = field(default_factory=dict)
-    exp_avg_sq: dict[str, torch.Tensor] = field(default_factory=dict)
+    optimizer: torch.optim.Optimizer | None = None
     optim_steps: int = 0  # optim_step calls
-    param_steps: dict[str, int] = field(default_factory=dict)  # Adam steps per parameter (those with a gradient)
     version: int = 0  # bumped whenever the weights change
+
+    @property
+    def param_steps(self) -> dict[str, int]:
+        """Adam steps per parameter (those that had a gradient), as the optimizer counts them."""
+        state = self.optimizer.state if self.optimizer is not None else {}
+        return {name: int(state[p]["step"]) for name, p in self.params.items() if p in state}
 
 
 @dataclass

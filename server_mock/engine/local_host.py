@@ -105,10 +105,9 @@ class LocalModelHost:
             if marker in pname:
                 adapter.params[pname] = param
         adapter.params = dict(sorted(adapter.params.items()))
-        for pname, param in adapter.params.items():
+        for param in adapter.params.values():
             param.data = param.data.float()  # master weights and Adam state in float32
-            adapter.exp_avg[pname] = torch.zeros_like(param, dtype=torch.float32)
-            adapter.exp_avg_sq[pname] = torch.zeros_like(param, dtype=torch.float32)
+        adapter.optimizer = adamw.new_optimizer(list(adapter.params.values()))
         self.adapters[adapter_id] = adapter
         return adapter
 

@@ -78,7 +78,7 @@ def _model_device(model) -> torch.device:
 
 @dataclass(frozen=True)
 class SamplingSupport:
-    """Which decoding paths a model's cache can take (``model_support.probe_sampling`` finds out).
+    """Which decoding paths a model's cache can take (``engine.support.probe_sampling`` finds out).
 
     ``shared_prefix``: a prompt is prefilled once and its cache expanded to the sample rows, and stopped rows
     are dropped (``Cache.reorder_cache``); otherwise every row prefills its own copy of the prompt and stopped

@@ -1,5 +1,12 @@
-"""AdamW for a LoRA adapter: the update step, and its state (moments, step counts) saved and loaded in a
-layout independent of the adapter's name."""
+"""AdamW for a LoRA adapter: ``torch.optim.AdamW`` (one per adapter; its hyper-parameters are set per call, as
+Tinker's ``optim_step`` takes them), global-norm clipping with ``torch.nn.utils``, and the optimizer's state
+saved and loaded under names independent of the adapter's, so a checkpoint resumes into any new run.
+
+What is ours: refusing a non-finite gradient before anything changes, ``grad_norm`` reported before clipping,
+and the portable state names (``exp_avg::<param>``, ``exp_avg_sq::<param>``, ``step::<param>``, ``optim_steps``).
+As in torch, a parameter without a gradient is skipped: no decay, no moment update, and its own step count
+(which drives the bias correction) does not advance.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +14,7 @@ import math
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from pytrio_compat.wire import AdamParams
 from server_mock.errors import WorkerError, bad_request
@@ -15,52 +23,44 @@ if TYPE_CHECKING:
     from server_mock.lora import Adapter
 
 
-def optim_step(adapter: Adapter, adam: AdamParams) -> dict[str, float]:
-    """AdamW, the same update as ``torch.optim.AdamW`` (decoupled decay), then gradients reset.
+def new_optimizer(params: list[nn.Parameter]) -> torch.optim.AdamW:
+    """The adapter's optimizer (hyper-parameters come with each step). ``foreach`` is torch's default: the
+    per-parameter loop on CPU, the multi-tensor kernels on CUDA."""
+    return torch.optim.AdamW(params, lr=0.0, weight_decay=0.0)
 
-    As in torch, a parameter without a gradient is skipped: no decay, no moment update, and its own
-    step count (which drives the bias correction) does not advance."""
-    grads = {n: p.grad for n, p in adapter.params.items() if p.grad is not None}
-    if grads:
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads.values()]))
-        grad_norm = float(norm)
-    else:
-        grad_norm = 0.0
+
+def optim_step(adapter: Adapter, adam: AdamParams) -> dict[str, float]:
+    """One AdamW step with ``adam``'s hyper-parameters, then gradients reset; ``grad_norm`` is the global norm
+    of the accumulated gradient before clipping."""
+    grads = [p.grad for p in adapter.params.values() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+    grad_norm = float(norm)
     if not math.isfinite(grad_norm):
         raise WorkerError(422, "non_finite_gradient", "the accumulated gradient is not finite; nothing applied")
-    scale = 1.0
-    if adam.grad_clip_norm > 0 and grad_norm > adam.grad_clip_norm:
-        scale = adam.grad_clip_norm / (grad_norm + 1e-6)
+    with_grad = [p for p in adapter.params.values() if p.grad is not None]
+    if adam.grad_clip_norm > 0 and with_grad:
+        torch.nn.utils.clip_grads_with_norm_(with_grad, adam.grad_clip_norm, norm)
+    optimizer = adapter.optimizer
+    for group in optimizer.param_groups:
+        group.update(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps,
+                     weight_decay=adam.weight_decay)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
     adapter.optim_steps += 1
-    lr, b1, b2, eps, wd = adam.learning_rate, adam.beta1, adam.beta2, adam.eps, adam.weight_decay
-    with torch.no_grad():
-        for name, grad in grads.items():
-            param = adapter.params[name]
-            if scale != 1.0:
-                grad = grad * scale
-            step = adapter.param_steps.get(name, 0) + 1
-            adapter.param_steps[name] = step
-            m, v = adapter.exp_avg[name], adapter.exp_avg_sq[name]
-            if wd:
-                param.mul_(1 - lr * wd)
-            m.lerp_(grad, 1 - b1)
-            v.mul_(b2).addcmul_(grad, grad, value=1 - b2)
-            denom = (v.sqrt() / math.sqrt(1 - b2**step)).add_(eps)
-            param.addcdiv_(m, denom, value=-lr / (1 - b1**step))
-            param.grad = None
     adapter.version += 1
-    return {"grad_norm": grad_norm, "learning_rate": lr, "step": float(adapter.optim_steps)}
+    return {"grad_norm": grad_norm, "learning_rate": adam.learning_rate, "step": float(adapter.optim_steps)}
 
 
 def optimizer_state(adapter: Adapter) -> dict[str, torch.Tensor]:
-    """Adam moments and per-parameter step counts keyed by adapter-independent names, so a checkpoint
-    resumes into any new run."""
+    """Adam moments and per-parameter step counts keyed by adapter-independent names (zeros and 0 for a
+    parameter that never had a gradient)."""
     state = {}
-    for name in adapter.params:
+    for name, param in adapter.params.items():
         key = _portable(name, adapter.adapter_id)
-        state[f"exp_avg::{key}"] = adapter.exp_avg[name]
-        state[f"exp_avg_sq::{key}"] = adapter.exp_avg_sq[name]
-        state[f"step::{key}"] = torch.tensor([adapter.param_steps.get(name, 0)], dtype=torch.int64)
+        entry = adapter.optimizer.state.get(param, {})
+        state[f"exp_avg::{key}"] = entry.get("exp_avg", torch.zeros_like(param, dtype=torch.float32))
+        state[f"exp_avg_sq::{key}"] = entry.get("exp_avg_sq", torch.zeros_like(param, dtype=torch.float32))
+        state[f"step::{key}"] = torch.tensor([int(entry["step"]) if "step" in entry else 0], dtype=torch.int64)
     state["optim_steps"] = torch.tensor([adapter.optim_steps], dtype=torch.int64)
     return state
 
@@ -75,18 +75,19 @@ def load_optimizer_state(adapter: Adapter, state: dict[str, torch.Tensor] | None
         if set(state) not in (moments | steps | {"optim_steps"}, moments | {"optim_steps"}):
             raise bad_request("path", "the checkpoint's optimizer state does not match this adapter's layout",
                               code="checkpoint_mismatch")
+    optimizer = adapter.optimizer
+    optimizer.state.clear()
     optim_steps = int(state["optim_steps"][0]) if state is not None else 0
-    for name, param in adapter.params.items():
-        key = keys[name]
-        if state is None:
-            adapter.exp_avg[name] = torch.zeros_like(param, dtype=torch.float32)
-            adapter.exp_avg_sq[name] = torch.zeros_like(param, dtype=torch.float32)
-            adapter.param_steps.pop(name, None)
-        else:
-            adapter.exp_avg[name] = state[f"exp_avg::{key}"].to(device, torch.float32).clone()
-            adapter.exp_avg_sq[name] = state[f"exp_avg_sq::{key}"].to(device, torch.float32).clone()
+    if state is not None:
+        for name, param in adapter.params.items():
+            key = keys[name]
             step = state.get(f"step::{key}")
-            adapter.param_steps[name] = int(step[0]) if step is not None else optim_steps
+            optimizer.state[param] = {
+                # torch keeps the step as a float32 scalar tensor (on the CPU unless capturable or fused)
+                "step": torch.tensor(float(int(step[0]) if step is not None else optim_steps)),
+                "exp_avg": state[f"exp_avg::{key}"].to(device, torch.float32).clone(),
+                "exp_avg_sq": state[f"exp_avg_sq::{key}"].to(device, torch.float32).clone(),
+            }
     adapter.optim_steps = optim_steps
 
 

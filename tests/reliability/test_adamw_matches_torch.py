@@ -112,3 +112,29 @@ def test_optim_step_without_gradients_leaves_weights_alone_over_http(worker, ser
     tc.optim_step(adam).result()  # nothing accumulated since the last step
     assert weights_and_moments("no-grad-after") == before
     assert httpx.get(worker.base_url + "/v1/health").status_code == 200
+
+
+@pytest.mark.parametrize("clip", [0.05, 1e6])
+def test_global_norm_clipping_scales_every_gradient_and_reports_the_norm_before(host, clip):
+    """Clipping at ``clip``: every gradient is scaled by clip / (norm + 1e-6) when the global norm is over it
+    (written out here with plain tensor arithmetic), else left alone; ``grad_norm`` is the unclipped norm."""
+    adapter = host.create_adapter(f"run-adamw-clip-{int(clip * 100)}", LoraSpec(rank=4, seed=6))
+    adam = ADAM.model_copy(update={"grad_clip_norm": clip, "eps": 1e-3})  # an eps the clipped scale shows through
+    params = {n: torch.nn.Parameter(p.detach().clone()) for n, p in adapter.params.items()}
+    opt = torch.optim.AdamW(list(params.values()), lr=adam.learning_rate, betas=(adam.beta1, adam.beta2),
+                            eps=adam.eps, weight_decay=adam.weight_decay, foreach=False)
+    for step in (1, 3, 4):
+        grads = _grads(adapter, step)
+        given = [g for g in grads.values() if g is not None]
+        norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in given)))
+        scale = clip / (norm + 1e-6) if norm > clip else 1.0
+        for name, grad in grads.items():
+            adapter.params[name].grad = None if grad is None else grad.clone()
+            params[name].grad = None if grad is None else grad.clone() * scale
+        metrics = host.optim_step(adapter, adam)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        assert metrics["grad_norm"] == pytest.approx(norm, rel=1e-6)
+        assert _max_diff(adapter, params) < 1e-6, step
+    if clip < 1:
+        assert norm > 10 * clip  # the small bound really clipped (the large one never does)

@@ -2,8 +2,8 @@
 
 The same API keys and tenants as the native API (``Authorization: Bearer KEY``). ``model`` is a base
 model the worker serves or a ``trio://`` sampler checkpoint the caller owns. Requests are sampled
-through the service's queues (see openai_generation.py); fields are checked in openai_schemas.py and
-answers are built in openai_render.py. Errors have OpenAI's shape:
+through the service's queues (see serving.py); fields are checked in protocol.py and
+answers are built in render.py. Errors have OpenAI's shape:
 ``{"error": {"message", "type", "param", "code"}}``.
 
 ``stream: true`` answers with server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``.

@@ -3,7 +3,7 @@
 
 A future here is an asyncio task that yields the final answer: a dict (sent as JSON) or bytes (sent as
 protobuf), or raises ``TinkerFailure`` (sent as ``{"error", "category"}``). Ordering of one model's
-requests is ``tinker_gate.SeqGate``'s job.
+requests is ``gate.SeqGate``'s job.
 """
 
 from __future__ import annotations

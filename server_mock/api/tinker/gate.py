@@ -9,7 +9,7 @@ request never stalls the requests behind it.
 
 Bounds: a request may be at most ``max_ahead`` seq_ids ahead of the next expected one (400 otherwise),
 at most ``max_waiting`` requests of a model wait at once, and the bytes held by waiting requests are
-counted per session and on the whole worker by ``tinker_holding.HeldBytes`` (429 past either limit). A gap that is
+counted per session and on the whole worker by ``holding.HeldBytes`` (429 past either limit). A gap that is
 never filled is skipped after ``gap_wait`` seconds in O(1): the skipped range is remembered as one
 interval, not seq_id by seq_id.
 """

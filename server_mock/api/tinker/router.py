@@ -1,16 +1,15 @@
 """The Tinker HTTP API (``/api/v1/...``) on top of the worker's own service, for the official ``tinker`` SDK.
 
-Everything here translates: Tinker requests become the service's ops, samplers and checkpoints, and
-the service's results become Tinker's answers (JSON, or protobuf for forward/backward and sampling
-results, see tinker_proto.py). Models, adapters, request queues and checkpoints are the service's, so
-a run started through one protocol shares the worker with the other. See docs/tinker.md.
+Everything here translates: Tinker requests become the service's ops, samplers and checkpoints, and the
+service's results become Tinker's answers (JSON, or protobuf for forward/backward and sampling results, see
+proto/). Models, adapters, request queues and checkpoints are the service's, so a run started through one
+protocol shares the worker with the others. See docs/tinker.md.
 
-The routes live with their resource: tinker_sessions (sessions and training models),
-tinker_training (forward/backward, optimizer steps), tinker_weights (save, load, describe),
-tinker_sampling (sampling sessions, asample) and tinker_futures (retrieve_future). tinker_state holds
-what they share, tinker_gate the per-model seq_id ordering (tinker_holding bounds what waiting requests
-keep), tinker_http the HTTP plumbing, tinker_paths the tinker:// names. The bounds are listed in
-docs/reliability.md ("Tinker protocol hardening").
+The routes live with their resource: sessions (sessions and training models), training (forward/backward,
+optimizer steps), weights (save, load, describe), sampling (sampling sessions, asample) and futures
+(retrieve_future). state holds what they share, gate the per-model seq_id ordering (holding bounds what
+waiting requests keep) and submit the hand-over to the service in that order, endpoint the HTTP plumbing,
+paths the tinker:// names. The bounds are listed in docs/reliability.md ("Tinker protocol hardening").
 """
 
 from __future__ import annotations

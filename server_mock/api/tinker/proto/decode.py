@@ -1,5 +1,5 @@
 """The protobuf side of the Tinker protocol: reading the ``ForwardBackwardRequest`` body
-(the ``ForwardBackwardOutput`` / ``SampleResponse`` results are written by tinker_proto_results.py).
+(the ``ForwardBackwardOutput`` / ``SampleResponse`` results are written by encode.py).
 
 The messages are declared in ``proto/tinker_wire.proto`` (field numbers as the protocol defines them)
 and parsed and written by the ``protobuf`` runtime. What stays here by hand is what the schema cannot
