@@ -23,12 +23,22 @@ def _parse_model(value: str) -> tuple[str, str]:
     return name, source
 
 
+def _parse_tokenizer_id(value: str) -> tuple[str, str]:
+    name, sep, tokenizer = value.partition("=")
+    if not sep or not name or not tokenizer:
+        raise argparse.ArgumentTypeError(f"--tokenizer-id expects NAME=HUB_ID_OR_PATH, got {value!r}")
+    return name, tokenizer
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pytrio-worker", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the HTTP worker")
     serve.add_argument("--model", action="append", type=_parse_model, default=[], metavar="NAME=PATH_OR_HF_ID",
                        help="a base model to serve (repeatable)")
+    serve.add_argument("--tokenizer-id", action="append", type=_parse_tokenizer_id, default=[], metavar="NAME=ID",
+                       help="what clients load the served model NAME's tokenizer from (a hub id or a folder on the "
+                            "client's machine); default: the hub id or the folder NAME was served from (repeatable)")
     serve.add_argument("--lazy-models", action="store_true",
                        help="also load any model a client names, on first use (used by the embedded worker)")
     serve.add_argument("--host", default="127.0.0.1")
@@ -114,6 +124,9 @@ def serve(args: argparse.Namespace) -> None:
         limits, train_options = from_args(Limits, args), from_args(TrainOptions, args)
     except ValueError as exc:
         sys.exit(str(exc))
+    unknown = sorted({name for name, _ in args.tokenizer_id} - {name for name, _ in args.model})
+    if unknown:
+        sys.exit(f"--tokenizer-id {unknown[0]}=...: no --model is served under that name")
     for folder in args.allow_adapter_dir:
         if not Path(folder).is_dir():
             sys.exit(f"--allow-adapter-dir {folder}: not a folder")
@@ -122,8 +135,7 @@ def serve(args: argparse.Namespace) -> None:
     service = WorkerService(dict(args.model), args.storage, device, resolve_dtype(args.dtype, device),
                             lazy_models=args.lazy_models, limits=limits, result_ttl=args.result_ttl,
                             allow_adapter_dirs=args.allow_adapter_dir,
-                            train_options=train_options,
-                            cluster=cluster)
+                            train_options=train_options, cluster=cluster, tokenizer_ids=dict(args.tokenizer_id))
     if service.fault_injection:
         logging.getLogger("server_mock").warning("fault injection is ON (PYTRIO_WORKER_FAULT_INJECTION): requests "
                                                  "may ask to fail on purpose; never use this in production")

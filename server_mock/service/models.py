@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
+import os
 import tempfile
 from pathlib import Path
 
@@ -27,8 +28,10 @@ logger = logging.getLogger("server_mock")
 
 class Models:
     def __init__(self, sources: dict[str, str], device: str, dtype: torch.dtype, requests: RequestStore,
-                 limits: Limits, train_options: TrainOptions, lazy: bool = False, cluster=None) -> None:
+                 limits: Limits, train_options: TrainOptions, lazy: bool = False, cluster=None,
+                 tokenizer_ids: dict[str, str] | None = None) -> None:
         self.sources = dict(sources)
+        self.tokenizer_ids = dict(tokenizer_ids or {})  # operator-set, per served model name
         self.device = device
         self.dtype = dtype
         self.requests = requests
@@ -77,6 +80,15 @@ class Models:
                     self.queues[f"{name}:sampling"] = host.sampling_queue(asyncio.get_running_loop())
                 self.hosts[name] = host
         return self.hosts[name]
+
+    def tokenizer_id(self, name: str) -> str:
+        """What a client loads this model's tokenizer from (``AutoTokenizer.from_pretrained``): the operator's
+        ``--tokenizer-id``, else where the model was served from (its hub id, or the folder it was loaded from)."""
+        if name in self.tokenizer_ids:
+            return self.tokenizer_ids[name]
+        host = self.hosts.get(name)
+        source = host.source_dir if host is not None else self.sources.get(name, name)
+        return os.path.abspath(source) if os.path.isdir(source) else source
 
     def loaded(self, name: str) -> ModelHost:
         """The host of a model already in use (a run's or a sampler's)."""

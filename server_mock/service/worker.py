@@ -30,14 +30,15 @@ class WorkerService:
     def __init__(self, models: dict[str, str], storage: str | Path, device: str, dtype: torch.dtype,
                  lazy_models: bool = False, limits: Limits | None = None, result_ttl: float = 3600.0,
                  allow_adapter_dirs: list[str] | None = None, fault_injection: bool | None = None,
-                 train_options: TrainOptions | None = None, cluster=None) -> None:
+                 train_options: TrainOptions | None = None, cluster=None,
+                 tokenizer_ids: dict[str, str] | None = None) -> None:
         self.limits = limits or Limits()
         self.fault_injection = faults.enabled_by_environment() if fault_injection is None else fault_injection
         self.lazy_models = lazy_models
         self.requests = RequestStore(result_ttl)
         self.store = CheckpointStore(storage)
         self.models = Models(models, device, dtype, self.requests, self.limits, train_options or TrainOptions(),
-                             lazy=lazy_models, cluster=cluster)
+                             lazy=lazy_models, cluster=cluster, tokenizer_ids=tokenizer_ids)
         self.checkpoints = Checkpoints(self.store, TenantLRU(self.limits.max_snapshots))
         self.runs = Runs(self.models, self.requests, self.checkpoints, self.limits, self.fault_injection)
         self.samplers = Samplers(self.models, self.requests, self.checkpoints, self.limits, allow_adapter_dirs)

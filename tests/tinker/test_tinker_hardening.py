@@ -8,6 +8,7 @@ max_tokens_per_request=4096 (so a forward_backward request may declare 8 x 4096 
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -269,16 +270,29 @@ def test_asample_without_a_session_reuses_one_sampler(raw_a):
     assert isinstance(out, bytes), out
 
 
-def test_get_info_names_the_model_not_server_paths(tinker_worker, raw_a, tiny_model_dir):
+def test_get_info_names_a_loadable_tokenizer_and_no_storage_path(tinker_worker, raw_a, tiny_model_dir):
+    from transformers import AutoTokenizer
+
     model = raw_a.model("tiny", seed=1)
     info = raw_a.post("/get_info", json={"model_id": model, "type": "get_info"})
     assert info.status_code == 200, info.text
     body = info.json()
-    assert body["model_data"]["tokenizer_id"] == "tiny" and body["model_name"] == "tiny"
-    text = info.text
-    for secret in (str(tiny_model_dir), str(tiny_model_dir.resolve()), str(tinker_worker.storage)):
-        assert secret not in text
-    assert "/" not in text.replace(model, "")
+    assert body["model_name"] == "tiny"
+    # the folder the model was served from, absolute, which the tinker client can load its tokenizer from
+    assert body["model_data"]["tokenizer_id"] == os.path.abspath(tiny_model_dir)
+    served = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    assert AutoTokenizer.from_pretrained(body["model_data"]["tokenizer_id"]).encode("1 + 1") == served.encode("1 + 1")
+    assert str(tinker_worker.storage) not in info.text and str(tinker_worker.storage.parent) not in info.text
+
+
+def test_tokenizer_id_is_the_operators_when_set(tiny_model_dir, tmp_path):
+    from support import running_worker
+
+    with running_worker(tiny_model_dir, tmp_path, "--tokenizer-id", "tiny=org/tiny-tokenizer",
+                        api_keys=[KEY_A[4:]]) as proc:
+        raw = RawTinker(proc.base_url, KEY_A)
+        info = raw.post("/get_info", json={"model_id": raw.model("tiny", seed=1), "type": "get_info"})
+        assert info.json()["model_data"]["tokenizer_id"] == "org/tiny-tokenizer", info.text
 
 
 @pytest.mark.timeout(120)

@@ -89,11 +89,12 @@ async def create_model(state: TinkerState, request: Request, tenant: str):
 
 
 async def get_info(state: TinkerState, request: Request, tenant: str):
-    """What the client needs to know about a model, and nothing of the worker's filesystem.
+    """What the client needs to know about a model.
 
     The client loads the tokenizer itself with ``AutoTokenizer.from_pretrained(tokenizer_id)``, so
-    ``tokenizer_id`` is the served model's name: a hub id, or whatever name the operator gave with
-    ``--model NAME=SOURCE`` (a folder path there works offline on the worker's own machine).
+    ``tokenizer_id`` is what the model was served from (its hub id, or the absolute path of its folder, which
+    a client on the worker's machine can load offline) unless the operator set ``--tokenizer-id NAME=ID``.
+    Nothing else of the worker's filesystem (its storage) is named.
     """
     body = await read_json(request, state.body_limit)
     model = state.model(field(body, "model_id", str), tenant)
@@ -103,5 +104,5 @@ async def get_info(state: TinkerState, request: Request, tenant: str):
         "type": "get_info", "model_id": model.model_id, "is_lora": True, "lora_rank": run.spec.rank,
         "model_name": run.base_model,
         "model_data": {"arch": host.model_type, "model_name": run.base_model,
-                       "tokenizer_id": run.base_model},
+                       "tokenizer_id": state.service.models.tokenizer_id(run.base_model)},
     }
