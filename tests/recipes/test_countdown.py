@@ -1,13 +1,18 @@
 """Countdown: the expression reader, the reward, and the generated problems (reachable, repeatable, split)."""
 
+import functools
 import random
 import re
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
+import recipe_fakes
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from recipe_fakes import FakeSampler
 
+import pytrio_compat as trio
 from recipes.countdown import (
     COUNTDOWN_FEWSHOT_PREFIX,
     COUNTDOWN_SUFFIX,
@@ -31,6 +36,26 @@ from recipes.countdown import (
     render_expression,
     score_countdown,
 )
+from recipes.grpo_lib import (
+    DATASET_DEFAULTS,
+    EVAL_GRADERS,
+    FEWSHOT,
+    PROMPTS,
+    QUESTION_SUFFIX,
+    build_arg_parser,
+    build_datum,
+    evaluate,
+    evaluate_async,
+    grade,
+    group_advantages,
+    is_degenerate,
+    load_rows,
+    render_prompt,
+    sample_seed,
+    shuffle_rows,
+)
+
+DEMOS = ["01-demo-sync.py", "02-demo-async.py"]
 
 
 def solvable(numbers, target) -> bool:
@@ -257,8 +282,8 @@ def test_rows_are_deterministic_and_in_their_split(seed, split):
 @given(st.integers(0, 10**9), st.integers(0, 10**9))
 @settings(max_examples=10, deadline=None)
 def test_splits_are_disjoint_whatever_the_seeds(train_seed, test_seed):
-    train = {key(r) for r in countdown_rows("train", train_seed, n=300)}
-    test = {key(r) for r in countdown_rows("test", test_seed, n=300)}
+    train = {key(r) for r in countdown_rows("train", train_seed, n=150)}
+    test = {key(r) for r in countdown_rows("test", test_seed, n=150)}
     assert not train & test
 
 
@@ -292,3 +317,157 @@ def test_fewshot_answers_are_right_and_not_test_problems():
         numbers, target = [int(x) for x in numbers.split(", ")], int(target)
         assert score_countdown(assistant["content"], numbers, target) == CountdownScore(True, True)
         assert not is_test_problem(numbers, target)
+
+
+# ---- wiring: --dataset countdown through the options, the data, the prompt and both demos ---------------------
+
+def test_options_data_and_prompt_of_countdown(tiny_tokenizer):
+    args = build_arg_parser("t").parse_args(["--dataset", "countdown"])
+    assert all(getattr(args, k) == v for k, v in DATASET_DEFAULTS["countdown"].items())
+    assert 64 <= args.max_tokens <= 128
+    assert load_rows("countdown", "test", n=7) == countdown_rows("test", 0, 7)
+    assert load_rows("countdown", "train", seed=4) == countdown_rows("train", 4)
+    with pytest.raises(ValueError, match="--data-file"):
+        load_rows("countdown", "train", "somewhere.jsonl")
+    # the other datasets keep their prompt; countdown has its own few-shot turns and suffix
+    assert {name: tuple(p) for name, p in PROMPTS.items()} == {
+        **{name: (turns, QUESTION_SUFFIX) for name, turns in FEWSHOT.items()},
+        "countdown": (COUNTDOWN_FEWSHOT_PREFIX, COUNTDOWN_SUFFIX)}
+    assert EVAL_GRADERS["countdown"] is not grade and EVAL_GRADERS["arithmetic"] is grade
+    question = countdown_rows("test", 0, 1)[0]["question"]
+    text = tiny_tokenizer.decode(render_prompt(tiny_tokenizer, question, *PROMPTS["countdown"]))
+    assert "strawberry" not in text and "\\boxed{(25 + 8) * 2 - 3}" in text
+    assert text.endswith(f"<|im_start|>user\n{question}{COUNTDOWN_SUFFIX}<|im_end|>\n"
+                         "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+@functools.cache
+def solutions() -> dict[str, str]:
+    """The generator's solution of every question the demos below ask (train seed 7, test seed 0)."""
+    return {row["question"]: row["answer"].split(" = ")[0]
+            for split, seed in (("train", 7), ("test", 0)) for row in countdown_rows(split, seed)}
+
+
+class CountdownSampler(FakeSampler):
+    """Answers Countdown prompts: sampling picks the solution, a well-formed wrong expression or no box at all
+    (seeded); greedy answers right exactly when the target is even, else well-formed but wrong."""
+
+    def _respond(self, prompt, num_samples, sampling_params):
+        tok = self.service.tokenizer
+        self.service.sample_calls.append({"num_samples": num_samples, "params": sampling_params,
+                                          "prompt": list(prompt.to_ints())})
+        question = QUESTION.findall(tok.decode(prompt.to_ints()))[-1]
+        question = f"Using the numbers {question[0]}, make {question[1]}."
+        solution, target = solutions()[question], int(question.rsplit(" ", 1)[1][:-1])
+        rng = random.Random(sampling_params.seed)
+        seqs = []
+        for _ in range(num_samples):
+            kind = ("right" if target % 2 == 0 else "formatted") if sampling_params.temperature == 0 else (
+                rng.choice(["right", "formatted", "unformatted"]))
+            body = {"right": f"\\boxed{{{solution}}}", "formatted": f"\\boxed{{{solution} + 0}}",
+                    "unformatted": f"{solution} = {target}"}[kind]
+            tokens = tok.encode(body, add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")]
+            logprobs = [-round(rng.uniform(0.01, 2.0), 4) for _ in tokens]
+            seqs.append(trio.types.SampleSequence(stop_reason="stop", tokens=tokens, logprobs=logprobs,
+                                                  text=tok.decode(tokens, skip_special_tokens=True)))
+        return trio.types.SampleResponse(sequences=seqs)
+
+
+@pytest.fixture
+def countdown_service(fake_service, monkeypatch):
+    monkeypatch.setattr(recipe_fakes, "FakeSampler", CountdownSampler)  # what the fake training client returns
+    return fake_service
+
+
+def countdown_args(tmp_path: Path, *extra: str) -> list[str]:
+    return ["--dataset", "countdown", "--steps", "2", "--batch-size", "3", "--group-size", "4", "--seed", "7",
+            "--eval-every", "1", "--eval-size", "9", "--log-dir", str(tmp_path / "run"), *extra]
+
+
+@pytest.mark.parametrize("script", DEMOS)
+def test_demo_runs_countdown(script, tmp_path, countdown_service, load_demo, tiny_tokenizer):
+    summary = load_demo(script).main(countdown_args(tmp_path))
+    fewshot, suffix = PROMPTS["countdown"]
+    train_rows = shuffle_rows(load_rows("countdown", "train", seed=7), 7)
+
+    # Rollouts: the countdown prompt, the dataset's max_tokens; step 0 rebuilt by hand from the library pieces,
+    # its rewards computed from the rows' numbers and targets.
+    rollouts = [c for c in countdown_service.sample_calls if c["params"].temperature != 0]
+    assert len(rollouts) == 2 * 3
+    for k, call in enumerate(rollouts):
+        step, i = divmod(k, 3)
+        assert call["prompt"] == render_prompt(tiny_tokenizer, train_rows[step * 3 + i]["question"], fewshot, suffix)
+        assert call["params"].max_tokens == DATASET_DEFAULTS["countdown"]["max_tokens"]
+        assert call["params"].seed == sample_seed(7, step, i)
+    sampler, expected, rewards_all = CountdownSampler(countdown_service), [], []
+    for i, row in enumerate(train_rows[:3]):
+        prompt = render_prompt(tiny_tokenizer, row["question"], fewshot, suffix)
+        params = trio.SamplingParams(max_tokens=96, temperature=1.0, top_p=1.0, stop=["<|im_end|>"],
+                                     seed=sample_seed(7, 0, i))
+        result = sampler.sample(trio.ModelInput.from_ints(prompt), 4, params).result()
+        rewards = [score_countdown(s.text, row["numbers"], row["target"]).reward() for s in result.sequences]
+        rewards_all += rewards
+        if not is_degenerate(rewards):
+            expected += [build_datum(prompt, s.tokens, s.logprobs, adv)
+                         for s, adv in zip(result.sequences, group_advantages(rewards))]
+    assert set(rewards_all) == {0.0, 0.1, 1.0}  # no box, well-formed but wrong, right
+    assert [d.model_dump() for d in summary["first_step_datums"]] == [d.model_dump() for d in expected]
+    history = summary["history"]
+    assert history[0]["reward"] == pytest.approx(sum(rewards_all) / len(rewards_all))
+
+    # Evaluation: greedy answers are right for even targets and well-formed otherwise; only right ones count.
+    eval_rows = load_rows("countdown", "test", n=9)
+    accuracy = sum(r["target"] % 2 == 0 for r in eval_rows) / 9
+    assert 0 < accuracy < 1
+    assert [row["eval/accuracy"] for row in history] == pytest.approx([accuracy] * 3)
+    assert summary["final_eval_accuracy"] == pytest.approx(accuracy)
+    assert any(row["datums"] > 0 for row in history)
+
+
+def test_sync_and_async_agree_on_countdown(tmp_path, countdown_service, load_demo):
+    sync = load_demo("01-demo-sync.py").main(countdown_args(tmp_path / "sync"))
+    async_ = load_demo("02-demo-async.py").main(countdown_args(tmp_path / "async"))
+    assert sync["first_step_datums"]
+    assert [d.model_dump() for d in sync["first_step_datums"]] == [d.model_dump() for d in async_["first_step_datums"]]
+    for a, b in zip(sync["history"], async_["history"]):
+        assert {k: v for k, v in a.items() if not k.startswith("time/")} == {
+            k: v for k, v in b.items() if not k.startswith("time/")}
+
+
+def test_evaluate_with_the_countdown_grader(countdown_service, tiny_tokenizer):
+    import asyncio
+
+    rows = load_rows("countdown", "test", n=10)
+    accuracy = sum(r["target"] % 2 == 0 for r in rows) / 10
+    sampler = CountdownSampler(countdown_service)
+    fewshot, suffix = PROMPTS["countdown"]
+    assert evaluate(sampler, tiny_tokenizer, rows, 96, fewshot, suffix, EVAL_GRADERS["countdown"]) == accuracy
+    coro = evaluate_async(sampler, tiny_tokenizer, rows, 96, fewshot, suffix, EVAL_GRADERS["countdown"])
+    assert asyncio.run(coro) == accuracy
+
+
+@pytest.mark.parametrize("script", DEMOS)
+def test_demo_trains_countdown_against_worker(script, worker, load_demo, tmp_path, monkeypatch):
+    """The real worker and the tiny random model's tokenizer; the reward alternates 1, 0 within each group
+    so every step trains (the tiny model never solves a problem)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "recipes"))
+    demo = load_demo(script)
+    calls = []
+
+    def alternating_reward(text, answer):
+        calls.append(text)
+        return float(len(calls) % 2)
+
+    monkeypatch.setattr(demo, "countdown_reward", alternating_reward)
+    summary = demo.main([
+        "--base-url", worker.base_url, "--base-model", "tiny", "--dataset", "countdown", "--steps", "2",
+        "--batch-size", "2", "--group-size", "4", "--max-tokens", "6", "--lora-rank", "8",
+        "--learning-rate", "1e-3", "--seed", "3", "--log-dir", str(tmp_path / "run"),
+        "--eval-every", "2", "--eval-size", "2",
+    ])
+    history = summary["history"]
+    assert len(calls) == 2 * 2 * 4
+    assert [row["step"] for row in history] == [0, 1, 2]
+    for row in history[:2]:
+        assert row["datums"] == 8 and row["reward"] == 0.5 and abs(row["kl_sample_train"]) < 1e-3
+    assert history[0]["eval/accuracy"] == 0.0 == history[2]["eval/accuracy"]  # 6 random tokens solve nothing
