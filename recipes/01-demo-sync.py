@@ -8,19 +8,22 @@ datums, and run one forward_backward + optim_step.
     python recipes/01-demo-sync.py --steps 10 --batch-size 4 --group-size 8 --max-tokens 512 \\
         --data-file ../shared/data/gsm8k --eval-every 5 --swanlab-mode local
 
-Tiny models on CPU: `--dataset arithmetic` (2-digit additions) is the task they can learn.
+Tiny models on CPU: `--dataset arithmetic` (2-digit additions) is the task they can learn. `--dataset countdown`
+(reach a target from 3-4 numbers with + - * /, as in TinyZero) is scored by recipes/countdown.py.
 """
 
 import time
 
 from grpo_lib import (
-    FEWSHOT,
+    EVAL_GRADERS,
+    PROMPTS,
     MetricsLogger,
     StepStats,
     batch_rows,
     build_arg_parser,
     build_datum,
     completion_text,
+    countdown_reward,
     eval_data_file,
     evaluate,
     grade,
@@ -61,7 +64,11 @@ def main(argv=None):
     )
     tokenizer = training_client.get_tokenizer()
     stop = stop_sequences(tokenizer)
-    fewshot = FEWSHOT[args.dataset]  # the strawberry example for gsm8k, worked additions for arithmetic
+    fewshot, suffix = PROMPTS[args.dataset]  # the few-shot turns before each question, the answer format after it
+    # Reward: the boxed number against the answer's; countdown checks the boxed expression exactly and gives 0.1
+    # when it is well-formed but wrong. Evaluation counts right answers only.
+    reward = countdown_reward if args.dataset == "countdown" else grade
+    eval_grader = EVAL_GRADERS[args.dataset]
     adam_params = trio.AdamParams(learning_rate=args.learning_rate, beta1=args.beta1, beta2=args.beta2,
                                   eps=args.adam_eps)
     config = {**vars(args), "script": "sync", "num_steps": total_steps, "train_rows": len(train_rows)}
@@ -78,10 +85,11 @@ def main(argv=None):
         metrics_extra = {}
         if should_eval(args, step):
             with stats.timer("time/eval"):
-                metrics_extra["eval/accuracy"] = evaluate(sampler, tokenizer, eval_rows, args.max_tokens, fewshot)
+                metrics_extra["eval/accuracy"] = evaluate(sampler, tokenizer, eval_rows, args.max_tokens, fewshot,
+                                                          suffix, eval_grader)
 
         # 2. Rollouts: group_size completions per prompt, one prompt after the other.
-        prompts = [render_prompt(tokenizer, row["question"], fewshot) for row in rows]
+        prompts = [render_prompt(tokenizer, row["question"], fewshot, suffix) for row in rows]
         results = []
         with stats.timer("time/sample"):
             for i, prompt in enumerate(tqdm(prompts, desc=f"step {step}", unit="prompt", leave=False)):
@@ -93,7 +101,7 @@ def main(argv=None):
         # 3. Rewards -> group-relative advantages -> datums (groups with equal rewards teach nothing).
         datums = []
         for prompt, row, result in zip(prompts, rows, results):
-            rewards = [grade(completion_text(tokenizer, seq), row["answer"]) for seq in result.sequences]
+            rewards = [reward(completion_text(tokenizer, seq), row["answer"]) for seq in result.sequences]
             stats.add_group(rewards, result.sequences, result.metrics)
             if is_degenerate(rewards):
                 continue
@@ -125,7 +133,7 @@ def main(argv=None):
     final_accuracy = None
     if args.eval_every > 0:
         sampler = training_client.save_weights_and_get_sampling_client()
-        final_accuracy = evaluate(sampler, tokenizer, eval_rows, args.max_tokens, fewshot)
+        final_accuracy = evaluate(sampler, tokenizer, eval_rows, args.max_tokens, fewshot, suffix, eval_grader)
         logger.log({"eval/accuracy": final_accuracy}, step=total_steps)
 
     final_path = training_client.save_weights_for_sampler(name="final").result().path

@@ -16,13 +16,15 @@ import asyncio
 import time
 
 from grpo_lib import (
-    FEWSHOT,
+    EVAL_GRADERS,
+    PROMPTS,
     MetricsLogger,
     StepStats,
     batch_rows,
     build_arg_parser,
     build_datum,
     completion_text,
+    countdown_reward,
     eval_data_file,
     evaluate_async,
     grade,
@@ -62,7 +64,11 @@ async def run(args):
     )
     tokenizer = training_client.get_tokenizer()
     stop = stop_sequences(tokenizer)
-    fewshot = FEWSHOT[args.dataset]  # the strawberry example for gsm8k, worked additions for arithmetic
+    fewshot, suffix = PROMPTS[args.dataset]  # the few-shot turns before each question, the answer format after it
+    # Reward: the boxed number against the answer's; countdown checks the boxed expression exactly and gives 0.1
+    # when it is well-formed but wrong. Evaluation counts right answers only.
+    reward = countdown_reward if args.dataset == "countdown" else grade
+    eval_grader = EVAL_GRADERS[args.dataset]
     adam_params = trio.AdamParams(learning_rate=args.learning_rate, beta1=args.beta1, beta2=args.beta2,
                                   eps=args.adam_eps)
     config = {**vars(args), "script": "async", "num_steps": total_steps, "train_rows": len(train_rows)}
@@ -88,11 +94,11 @@ async def run(args):
         if should_eval(args, step):
             with stats.timer("time/eval"):
                 metrics_extra["eval/accuracy"] = await evaluate_async(
-                    sampler, tokenizer, eval_rows, args.max_tokens, fewshot
+                    sampler, tokenizer, eval_rows, args.max_tokens, fewshot, suffix, eval_grader
                 )
 
         # 2. Rollouts: every prompt's group in flight at once; the bar advances as each group finishes.
-        prompts = [render_prompt(tokenizer, row["question"], fewshot) for row in rows]
+        prompts = [render_prompt(tokenizer, row["question"], fewshot, suffix) for row in rows]
         bar = tqdm(total=len(prompts), desc=f"step {step}", unit="prompt", leave=False)
         with stats.timer("time/sample"):
             results = await asyncio.gather(*(
@@ -104,7 +110,7 @@ async def run(args):
         # 3. Rewards -> group-relative advantages -> datums (groups with equal rewards teach nothing).
         datums = []
         for prompt, row, result in zip(prompts, rows, results):
-            rewards = [grade(completion_text(tokenizer, seq), row["answer"]) for seq in result.sequences]
+            rewards = [reward(completion_text(tokenizer, seq), row["answer"]) for seq in result.sequences]
             stats.add_group(rewards, result.sequences, result.metrics)
             if is_degenerate(rewards):
                 continue
@@ -136,7 +142,8 @@ async def run(args):
     final_accuracy = None
     if args.eval_every > 0:
         sampler = await training_client.save_weights_and_get_sampling_client_async()
-        final_accuracy = await evaluate_async(sampler, tokenizer, eval_rows, args.max_tokens, fewshot)
+        final_accuracy = await evaluate_async(sampler, tokenizer, eval_rows, args.max_tokens, fewshot, suffix,
+                                              eval_grader)
         logger.log({"eval/accuracy": final_accuracy}, step=total_steps)
 
     final_path = (await (await training_client.save_weights_for_sampler_async(name="final"))).path
