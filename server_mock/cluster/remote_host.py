@@ -21,10 +21,10 @@ from server_mock.cluster import data_parallel
 from server_mock.cluster.sampler_pool import SamplerPool
 from server_mock.cluster.trainer_group import GroupLost, TrainerGroup, raise_refusals
 from server_mock.config import TrainOptions
-from server_mock.engine.host import default_stop_ids
+from server_mock.engine.host import ModelFacts
 from server_mock.engine.queue import ModelQueue
 from server_mock.errors import WorkerError
-from server_mock.lora import Layer, Snapshot, linear_groups, lora_config, model_layout, peft_adapter_config
+from server_mock.lora import Snapshot, linear_groups
 from server_mock.storage.checkpoints import CheckpointStore
 
 logger = logging.getLogger("server_mock")
@@ -83,7 +83,7 @@ def _meta_model(source: str):
     return model, AutoTokenizer.from_pretrained(source), source
 
 
-class RemoteModelHost:
+class RemoteModelHost(ModelFacts):
     """A ``ModelHost`` (engine/host.py) whose model lives on Ray actors (see the module docstring)."""
 
     def __init__(self, cluster, name: str, source: str, dtype: torch.dtype, max_seq_len: int | None,
@@ -112,24 +112,6 @@ class RemoteModelHost:
         self.pool = SamplerPool(self.prefix, config, self._host_args)
         self.groups = [TrainerGroup.start(i, self.prefix, config, self._host_args)
                        for i in range(config.trainer_groups)]
-
-    # --- what the model is (read from the module tree alone, as the local host does) -------------------
-
-    @property
-    def model_type(self) -> str:
-        return getattr(self.model.config, "model_type", type(self.model).__name__)
-
-    def stop_token_ids(self) -> list[int]:
-        return default_stop_ids(self.tokenizer, getattr(self.model, "generation_config", None))
-
-    def lora_layout(self) -> dict[str, Layer]:
-        return model_layout(self.model, self._linear_groups)
-
-    def lora_targets(self, spec) -> tuple[str, ...]:
-        return lora_config(self._linear_groups, spec)[1]
-
-    def peft_adapter_config(self, spec) -> str:
-        return peft_adapter_config(self.name, self._linear_groups, spec)
 
     def sampling_queue(self, loop) -> ReplicaQueue:
         return ReplicaQueue(f"{self.name}:sampling", loop, len(self.pool.replicas))

@@ -20,10 +20,10 @@ from torch import nn
 from pytrio_compat.wire import AdamParams, LoraSpec
 from server_mock.config import TrainOptions
 from server_mock.engine import support
-from server_mock.engine.host import default_stop_ids
+from server_mock.engine.host import ModelFacts
 from server_mock.engine.loading import load_model_and_tokenizer
 from server_mock.errors import bad_request
-from server_mock.lora import Adapter, Layer, Snapshot, linear_groups, lora_config, model_layout, peft_adapter_config
+from server_mock.lora import Adapter, Snapshot, linear_groups, lora_config
 from server_mock.sampling.generate import generate_batch
 from server_mock.training import adamw, prefix_cache, prefix_sharing
 from server_mock.training.forward_backward import TrainModel, run_forward_backward, token_logprobs
@@ -31,7 +31,7 @@ from server_mock.training.forward_backward import TrainModel, run_forward_backwa
 logger = logging.getLogger("server_mock")
 
 
-class LocalModelHost:
+class LocalModelHost(ModelFacts):
     """A base model loaded in this process (see the module docstring)."""
 
     def __init__(self, name: str, source: str, device: str, dtype: torch.dtype, max_seq_len: int | None = None,
@@ -60,24 +60,6 @@ class LocalModelHost:
         self.peft = None
         self.adapters: dict[str, Adapter] = {}
         self._slots: dict[str, str] = {}  # sampler slot adapter name -> snapshot id loaded in it
-
-    # --- what the model is -------------------------------------------------------------------------------
-
-    @property
-    def model_type(self) -> str:
-        return getattr(self.model.config, "model_type", type(self.model).__name__)
-
-    def stop_token_ids(self) -> list[int]:
-        return default_stop_ids(self.tokenizer, getattr(self.model, "generation_config", None))
-
-    def lora_layout(self) -> dict[str, Layer]:
-        return model_layout(self.model, self._linear_groups)
-
-    def lora_targets(self, spec: LoraSpec) -> tuple[str, ...]:
-        return lora_config(self._linear_groups, spec)[1]
-
-    def peft_adapter_config(self, spec: LoraSpec) -> str:
-        return peft_adapter_config(self.name, self._linear_groups, spec)
 
     # --- adapters ---------------------------------------------------------------------------------
 
