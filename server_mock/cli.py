@@ -140,14 +140,7 @@ def serve(args: argparse.Namespace) -> None:
         logging.getLogger("server_mock").warning("fault injection is ON (PYTRIO_WORKER_FAULT_INJECTION): requests "
                                                  "may ask to fail on purpose; never use this in production")
     app = create_app(service, keys, bind_host=args.host, allowed_hosts=args.allowed_host)
-    # proto=IPPROTO_TCP (not 0) so that asyncio sets TCP_NODELAY on every accepted connection, and the
-    # listener has it too: otherwise Nagle holds each response body until the client's delayed ACK (~40 ms)
-    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM,
-                         socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.bind((args.host, args.port))
-    sock.listen(2048)
+    sock = listening_socket(args.host, args.port)
     port = sock.getsockname()[1]
     config = uvicorn.Config(app, log_level="warning", timeout_keep_alive=30)
     server = uvicorn.Server(config)
@@ -157,6 +150,18 @@ def serve(args: argparse.Namespace) -> None:
                                           ", ".join(n for n, _ in args.model) or "models on demand", args.host, port,
                                           args.storage, device)
     server.run(sockets=[sock])
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The worker's listening socket. proto=IPPROTO_TCP (not 0) so that asyncio sets TCP_NODELAY on every accepted
+    connection, and the listener has it too: otherwise Nagle holds each response body until the client's delayed
+    ACK (~40 ms)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    return sock
 
 
 def _join_cluster(args: argparse.Namespace):
