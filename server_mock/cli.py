@@ -14,7 +14,7 @@ from pathlib import Path
 from server_mock.config import Limits, TrainOptions, add_flags, from_args
 
 TEXT_TINY_ARCHS = ("qwen2", "llama")
-VISION_TINY_ARCHS = ("qwen3_5", "qwen3_vl", "gemma3", "llava")  # engine.tiny_vlm.TINY_VLM_FAMILIES
+VISION_TINY_ARCHS = ("qwen3_5", "qwen3_vl", "qwen2_5_vl", "gemma3", "llava")  # engine.tiny_vlm.TINY_VLM_FAMILIES
 
 
 def _parse_model(value: str) -> tuple[str, str]:

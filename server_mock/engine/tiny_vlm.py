@@ -1,9 +1,10 @@
 """Tiny, randomly initialised vision-language models with their tokenizer and image processor, built offline.
 
 The VLM counterpart of ``tiny_model``: each family keeps its real architecture (Qwen3.5's hybrid linear attention
-and vision tower with 2x2 patch merging and M-RoPE, Qwen3-VL's deepstack features fed to a text layer, Gemma 3's
-SigLIP tower with pooled soft tokens and bidirectional attention inside an image, LLaVA's CLIP tower and
-projector in front of a Llama) at hidden size 64 / 32, so a forward pass with an image takes milliseconds on a CPU.
+and vision tower with 2x2 patch merging and M-RoPE, Qwen3-VL's deepstack features fed to a text layer, Qwen2.5-VL's
+windowed vision attention, Gemma 3's SigLIP tower with pooled soft tokens and bidirectional attention inside an
+image, LLaVA's CLIP tower and projector in front of a Llama) at hidden size 64 (text) / 32 (vision), so a forward
+pass with an image takes milliseconds on a CPU.
 
 The tokenizer is ``tiny_model.build_tiny_tokenizer`` plus the family's image tokens, added after the 512 BPE ids,
 and ``chat_template`` renders ``{"type": "image"}`` content parts the way the family's own template does. The image
@@ -33,7 +34,7 @@ from server_mock.engine.tiny_model import (
 __all__ = ["TINY_VLM_FAMILIES", "build_tiny_vlm", "build_tiny_vlm_tokenizer", "make_tiny_vlm",
            "tiny_image_processor", "tiny_processor"]
 
-TINY_VLM_FAMILIES = ("qwen3_5", "qwen3_vl", "gemma3", "llava")
+TINY_VLM_FAMILIES = ("qwen3_5", "qwen3_vl", "qwen2_5_vl", "gemma3", "llava")
 
 # the tokens each family's processor and chat template use around an image, in the order they are added
 _IMAGE_TOKENS = {
@@ -42,7 +43,7 @@ _IMAGE_TOKENS = {
     "gemma3": {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"},
     "llava": {"image_token": "<image>"},
 }
-_IMAGE_TOKENS["qwen3_vl"] = _IMAGE_TOKENS["qwen3_5"]
+_IMAGE_TOKENS["qwen3_vl"] = _IMAGE_TOKENS["qwen2_5_vl"] = _IMAGE_TOKENS["qwen3_5"]
 
 # ChatML whose content may be a list of {"type": "text"|"image"} parts; an image part becomes the family's marker
 _CHAT_TEMPLATE = (
@@ -58,8 +59,9 @@ _CHAT_TEMPLATE = (
 )
 _IMAGE_MARKER = {"qwen3_5": "<|vision_start|><|image_pad|><|vision_end|>", "gemma3": "<start_of_image>",
                  "llava": "<image>"}
-_IMAGE_MARKER["qwen3_vl"] = _IMAGE_MARKER["qwen3_5"]
+_IMAGE_MARKER["qwen3_vl"] = _IMAGE_MARKER["qwen2_5_vl"] = _IMAGE_MARKER["qwen3_5"]
 
+_QWEN_FAMILIES = ("qwen3_5", "qwen3_vl", "qwen2_5_vl")
 # Qwen: 8-pixel patches merged 2x2, so an image costs (h/16)*(w/16) tokens, 2 to 64 of them
 _QWEN_IMAGES = {"patch_size": 8, "temporal_patch_size": 2, "merge_size": 2, "min_pixels": 2 * 16 * 16,
                 "max_pixels": 64 * 16 * 16}
@@ -103,7 +105,7 @@ def _config(arch: str, tok):
 
     ids = _ids(tok, arch)
     text = _text_common(len(tok))
-    if arch in ("qwen3_5", "qwen3_vl"):
+    if arch in _QWEN_FAMILIES:
         vision = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
                   "num_position_embeddings": 64, **{k: _QWEN_IMAGES[k] for k in ("patch_size", "temporal_patch_size")},
                   "spatial_merge_size": _QWEN_IMAGES["merge_size"]}
@@ -112,11 +114,16 @@ def _config(arch: str, tok):
                      "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
                      "layer_types": ["linear_attention", "full_attention"]}
             config_class = transformers.Qwen3_5Config
-        else:
+        elif arch == "qwen3_vl":
             text |= {"head_dim": 16, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                                           "mrope_section": [2, 3, 3], "mrope_interleaved": True}}
             vision |= {"deepstack_visual_indexes": [0]}  # vision layer 0 also feeds text layer 0
             config_class = transformers.Qwen3VLConfig
+        else:  # Qwen2.5-VL: windowed attention in the vision tower but for its last block
+            text |= {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}}
+            vision |= {"window_size": 32, "fullatt_block_indexes": [1]}
+            vision.pop("num_position_embeddings")
+            config_class = transformers.Qwen2_5_VLConfig
         return config_class(text_config=text, vision_config=vision, image_token_id=ids["image_token"],
                             video_token_id=ids["video_token"], vision_start_token_id=ids["vision_start_token"],
                             vision_end_token_id=ids["vision_end_token"], tie_word_embeddings=True)
@@ -139,7 +146,7 @@ def _config(arch: str, tok):
 def tiny_image_processor(arch: str = "qwen3_5"):
     """The family's PIL image processor, sized for the tiny vision tower."""
     arch = _family(arch)
-    if arch in ("qwen3_5", "qwen3_vl"):
+    if arch in _QWEN_FAMILIES:
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
         return Qwen2VLImageProcessorPil(**_QWEN_IMAGES)

@@ -4,7 +4,7 @@ the pixel tensors its forward pass takes.
 An image chunk of a prompt or datum stands for the run of tokens the model's own processor puts where one image
 goes (``PreparedImage.tokens``); its length is the chunk's ``expected_tokens``. Per family (``VISION_FAMILIES``):
 
-* Qwen2/2.5/3-VL and Qwen3.5: the image processor resizes the image to a multiple of ``patch_size x merge_size``
+* Qwen2.5-VL, Qwen3-VL and Qwen3.5: the image processor resizes the image to a multiple of ``patch_size x merge_size``
   and cuts it into patches (``pixel_values`` rows, ``image_grid_thw``); the image is ``grid_t*grid_h*grid_w /
   merge_size^2`` copies of ``<|image_pad|>``, the same count the Qwen processors substitute (their
   ``replace_image_token``) and Tinker's renderers send as ``expected_tokens``. ``<|vision_start|>`` and
@@ -45,13 +45,12 @@ class VisionFamily:
 
 
 _QWEN = VisionFamily("grid", "mm_token_type_ids", mrope=True)
+# every family here is built tiny and checked in tests (engine/tiny_vlm.py); a model type not listed loads as
+# today: text-only through its causal-LM class if transformers has one (e.g. qwen3_5_moe), else it is refused
 VISION_FAMILIES: dict[str, VisionFamily] = {
     "qwen3_5": _QWEN,
-    "qwen3_5_moe": _QWEN,
     "qwen3_vl": _QWEN,
-    "qwen3_vl_moe": _QWEN,
     "qwen2_5_vl": _QWEN,
-    "qwen2_vl": _QWEN,
     "gemma3": VisionFamily("processor", "token_type_ids"),
     "llava": VisionFamily("processor"),
 }
