@@ -97,7 +97,8 @@ def _ids(tok, arch: str) -> dict[str, int]:
 def _text_common(vocab_size: int) -> dict:
     return {"vocab_size": vocab_size, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 2048,
-            "bos_token_id": IM_START_TOKEN_ID, "eos_token_id": EOS_TOKEN_ID, "pad_token_id": PAD_TOKEN_ID}
+            "bos_token_id": IM_START_TOKEN_ID, "eos_token_id": EOS_TOKEN_ID, "pad_token_id": PAD_TOKEN_ID,
+            "tie_word_embeddings": True}
 
 
 def _config(arch: str, tok):
@@ -130,6 +131,7 @@ def _config(arch: str, tok):
     vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
               "image_size": _SQUARE, "patch_size": 8}
     if arch == "gemma3":
+        vision["vision_use_head"] = False  # as in Gemma 3's checkpoints: the soft tokens pool the patch states
         text |= {"head_dim": 16, "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
                  "query_pre_attn_scalar": 16}
         return transformers.Gemma3Config(text_config=transformers.Gemma3TextConfig(**text),
@@ -181,6 +183,8 @@ def build_tiny_vlm(tokenizer, arch: str = "qwen3_5", seed: int = 0) -> PreTraine
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+        if arch == "gemma3":  # transformers starts Gemma 3's projection at zero: images would change nothing
+            torch.nn.init.normal_(model.model.multi_modal_projector.mm_input_projection_weight, std=0.5)
     model.eval()
     gc = model.generation_config
     gc.eos_token_id, gc.pad_token_id, gc.bos_token_id = EOS_TOKEN_ID, PAD_TOKEN_ID, IM_START_TOKEN_ID
