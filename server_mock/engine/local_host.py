@@ -74,6 +74,10 @@ class LocalModelHost(ModelFacts):
         if why_not:
             logger.warning("model type %s: image inputs are refused (%s); text is served as usual", self.model_type,
                            why_not)
+        else:
+            logger.info("model type %s: an image-text model (%s); images are taken, the vision tower is %s",
+                        self.model_type, type(self.model).__name__,
+                        "adapted by LoRA" if self.options.lora_vision_tower else "frozen")
         return vision, why_not
 
     # --- adapters ---------------------------------------------------------------------------------
