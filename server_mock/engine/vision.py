@@ -99,7 +99,7 @@ class ImageProcessing:
     """The image side of one served image-text model (built by ``load_image_processing``)."""
 
     def __init__(self, model_type: str, config, processor, image_processor, tokenizer,
-                 forward_params: set[str]) -> None:
+                 forward_params: set[str], rope_index=None) -> None:
         self.model_type = model_type
         self.family = VISION_FAMILIES[model_type]
         self.config = config
@@ -107,6 +107,7 @@ class ImageProcessing:
         self.image_processor = image_processor
         self.tokenizer = tokenizer
         self.forward_params = forward_params
+        self._rope_index = rope_index  # the model's M-RoPE layout (``get_rope_index``), pure index arithmetic
         image_token_id = getattr(config, "image_token_id", None)
         if image_token_id is None:
             image_token_id = getattr(config, "image_token_index", None)
@@ -133,7 +134,7 @@ class ImageProcessing:
 
     def forward_inputs(self, ids: torch.Tensor, images: list[PreparedImage], device) -> dict[str, Any]:
         """The image kwargs of one forward pass over ``ids`` (B, T) holding ``images`` in reading order (row by row,
-        left to right); the float pixel tensors in the vision tower's dtype."""
+        left to right), on ``device`` (the models cast the pixels to their vision tower's dtype)."""
         if sum(img.placeholders for img in images) != int((ids == self.image_token_id).sum()):
             raise ValueError("the image tokens of the batch do not match its images")
         kwargs: dict[str, Any] = {}
@@ -145,7 +146,7 @@ class ImageProcessing:
                 kwargs[key] = tensor.to(device)
         return kwargs
 
-    def positions(self, model, ids: torch.Tensor, images: list[PreparedImage],
+    def positions(self, ids: torch.Tensor, images: list[PreparedImage],
                   attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """M-RoPE position ids (3, B, T) of ``ids`` and each row's offset for the text after it (B, 1), or
         (None, None) for a family with plain positions. Passing them explicitly keeps a forward pass independent
@@ -156,9 +157,8 @@ class ImageProcessing:
         if images:
             grids = torch.from_numpy(np.concatenate([img.pixel_inputs["image_grid_thw"] for img in images])).to(
                 ids.device)
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        return base.model.get_rope_index(ids, mm_token_type_ids=self.type_ids(ids), image_grid_thw=grids,
-                                         attention_mask=attention_mask)
+        return self._rope_index(ids, mm_token_type_ids=self.type_ids(ids), image_grid_thw=grids,
+                                attention_mask=attention_mask)
 
 
 def load_image_processing(model, source: str, tokenizer) -> ImageProcessing:
@@ -175,4 +175,5 @@ def load_image_processing(model, source: str, tokenizer) -> ImageProcessing:
         processor = AutoProcessor.from_pretrained(source, backend="pil")
         image_processor = processor.image_processor
     params = set(inspect.signature(model.forward).parameters)
-    return ImageProcessing(config.model_type, config, processor, image_processor, tokenizer, params)
+    rope_index = model.model.get_rope_index if family.mrope else None  # PEFT wraps layers, not this module
+    return ImageProcessing(config.model_type, config, processor, image_processor, tokenizer, params, rope_index)

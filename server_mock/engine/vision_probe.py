@@ -62,7 +62,7 @@ class ImageLogits:
     def __init__(self, model, vision: ImageProcessing, ids: list[int], images: list[PreparedImage], device) -> None:
         self.model, self.vision, self.images, self.device = model, vision, images, device
         self.ids = torch.tensor([ids], dtype=torch.long, device=device)
-        self.positions, self.delta = vision.positions(model, self.ids, images)
+        self.positions, self.delta = vision.positions(self.ids, images)
 
     def _pos(self, start: int, stop: int):
         return None if self.positions is None else self.positions[..., start:stop]
