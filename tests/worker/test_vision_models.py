@@ -160,3 +160,16 @@ def test_the_host_serves_a_vlm_with_its_image_processing_and_text_context(tiny_v
     want = ref[0].gather(-1, torch.from_numpy(tokens[1:, None]))[:, 0].numpy()
     assert np.abs(out["outputs"][0]["logprobs"] - want).max() <= 1e-5
     assert any(p.grad is not None and float(p.grad.abs().sum()) > 0 for p in adapter.params.values())
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "llava"])
+def test_the_ray_front_ends_meta_model_has_the_actors_module_tree(tiny_vlm_dir, arch):
+    """The Ray front end reads the LoRA layout from a weightless copy of the model: it must be the same
+    image-text class as the one the actors load, or the two would name different layers."""
+    from server_mock.cluster.remote_host import _meta_model
+
+    meta, _, _ = _meta_model(str(tiny_vlm_dir(arch)))
+    model, _, _ = load(tiny_vlm_dir, arch)
+    assert type(meta) is type(model) and next(meta.parameters()).device.type == "meta"
+    assert linear_groups(meta) == linear_groups(model)
+    assert linear_groups(meta, vision_tower=True) == linear_groups(model, vision_tower=True)
