@@ -13,6 +13,9 @@ from pathlib import Path
 
 from server_mock.config import Limits, TrainOptions, add_flags, from_args
 
+TEXT_TINY_ARCHS = ("qwen2", "llama")
+VISION_TINY_ARCHS = ("qwen3_5", "qwen3_vl", "qwen2_5_vl", "gemma3", "llava")  # engine.tiny_vlm.TINY_VLM_FAMILIES
+
 
 def _parse_model(value: str) -> tuple[str, str]:
     name, sep, source = value.partition("=")
@@ -79,7 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="INFO")
     tiny = sub.add_parser("make-tiny-model", help="write a random tiny causal LM + tokenizer for smoke tests")
     tiny.add_argument("directory")
-    tiny.add_argument("--arch", default="qwen2", choices=["qwen2", "llama"])
+    tiny.add_argument("--arch", choices=[*TEXT_TINY_ARCHS, *VISION_TINY_ARCHS],
+                      help=f"the family: {', '.join(TEXT_TINY_ARCHS)} (default {TEXT_TINY_ARCHS[0]}), or with --vision "
+                           f"{', '.join(VISION_TINY_ARCHS)} (default {VISION_TINY_ARCHS[0]})")
+    tiny.add_argument("--vision", action="store_true",
+                      help="a vision-language model: its tokenizer has the image tokens, its image processor is saved "
+                           "beside it")
     tiny.add_argument("--seed", type=int, default=0)
     return parser
 
@@ -187,7 +195,18 @@ def main(argv: list[str] | None = None) -> None:
     else:
         from server_mock.engine.tiny_model import make_tiny_model
 
-        path = make_tiny_model(args.directory, arch=args.arch, seed=args.seed)
+        allowed = VISION_TINY_ARCHS if args.vision else TEXT_TINY_ARCHS
+        if args.arch is not None and args.arch not in allowed:
+            sys.exit(f"--arch {args.arch}: " + (f"with --vision, one of {', '.join(allowed)}" if args.vision
+                                                else f"a vision-language family: pass --vision (text: "
+                                                     f"{', '.join(allowed)})"))
+        if args.vision:
+            from server_mock.engine.tiny_vlm import make_tiny_vlm
+
+            path = make_tiny_vlm(args.directory, arch=args.arch or VISION_TINY_ARCHS[0], seed=args.seed)
+            print(f"wrote a tiny random vision-language model, tokenizer and image processor to {path}")
+            return
+        path = make_tiny_model(args.directory, arch=args.arch or TEXT_TINY_ARCHS[0], seed=args.seed)
         print(f"wrote a tiny random model and tokenizer to {path}")
 
 

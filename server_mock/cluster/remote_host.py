@@ -24,6 +24,7 @@ from server_mock.config import TrainOptions
 from server_mock.engine.host import ModelFacts
 from server_mock.engine.queue import ModelQueue
 from server_mock.errors import WorkerError
+from server_mock.engine.vision import is_image_text
 from server_mock.lora import Snapshot, linear_groups
 from server_mock.storage.checkpoints import CheckpointStore
 
@@ -63,19 +64,15 @@ class ReplicaQueue(ModelQueue):
 
 def _meta_model(source: str):
     """The model's modules without weights (on the meta device), its tokenizer and resolved source."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    from server_mock.engine.loading import resolve_source
-    from server_mock.engine.support import refuse
+    from server_mock.engine.loading import model_class, resolve_source
 
     source = resolve_source(source)
     config = AutoConfig.from_pretrained(source)
-    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise refuse(config.model_type, "transformers has no causal-LM class for it (the worker samples and "
-                                        "trains text-only causal language models)")
+    auto_class = model_class(config)  # the class the actors load, so both sides see one module tree
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = auto_class.from_config(config)
     try:
         model.generation_config = GenerationConfig.from_pretrained(source)
     except OSError:
@@ -96,9 +93,12 @@ class RemoteModelHost(ModelFacts):
         self.dtype = dtype
         self.model, self.tokenizer, self.source_dir = _meta_model(source)
         self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
-        self._linear_groups = linear_groups(self.model)
-        ctx = getattr(self.model.config, "max_position_embeddings", None)
+        self._linear_groups = linear_groups(self.model, vision_tower=options.lora_vision_tower)
+        ctx = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
         self.max_seq_len = min(x for x in (max_seq_len, ctx) if x) if (max_seq_len or ctx) else None
+        self.vision = None
+        self.vision_refusal = ("image inputs are not taken when the model runs on Ray actors"
+                               if is_image_text(self.model.config) else None)
         self.adapters: dict[str, RemoteAdapter] = {}
         self.store = CheckpointStore(cluster.storage)
         self.prefix = f"{name}-{uuid.uuid4().hex[:8]}"  # the actors' names: PREFIX/sampler-i, PREFIX/trainer-gG-rR

@@ -25,6 +25,8 @@ class ModelHost(Protocol):
     source_dir: str  # the folder the model was loaded from
     vocab_size: int
     max_seq_len: int | None
+    vision: Any  # engine.vision.ImageProcessing of an image-text model; None for a text-only one
+    vision_refusal: str | None  # why an image-text model takes no images (None: it takes them)
 
     @property
     def model_type(self) -> str:

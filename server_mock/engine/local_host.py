@@ -22,6 +22,8 @@ from server_mock.config import TrainOptions
 from server_mock.engine import support
 from server_mock.engine.host import ModelFacts
 from server_mock.engine.loading import load_model_and_tokenizer
+from server_mock.engine.vision import ImageProcessing, is_image_text, load_image_processing
+from server_mock.engine.vision_probe import probe_image_decoding
 from server_mock.errors import bad_request
 from server_mock.lora import Adapter, Snapshot, linear_groups, lora_config
 from server_mock.sampling.generate import generate_batch
@@ -43,14 +45,16 @@ class LocalModelHost(ModelFacts):
         self.dtype = dtype
         self.model, self.tokenizer, self.source_dir = load_model_and_tokenizer(source, device, dtype)
         self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
-        self._linear_groups = linear_groups(self.model)  # read before PEFT wraps the layers
+        # read before PEFT wraps the layers; an image-text model's vision tower only when asked
+        self._linear_groups = linear_groups(self.model, vision_tower=options.lora_vision_tower)
         if not any(group != "train_unembed" for group in self._linear_groups.values()):
             raise support.refuse(self.model.config.model_type,
                                        "LoRA needs nn.Linear attention or MLP layers and this model has none")
         if options.float32_head:
             support.use_float32_head(self.model)
         self.sampling_support = support.probe_sampling(self.model, self.vocab_size)
-        ctx = getattr(self.model.config, "max_position_embeddings", None)
+        self.vision, self.vision_refusal = self._load_vision()
+        ctx = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
         self.max_seq_len = min(x for x in (max_seq_len, ctx) if x) if (max_seq_len or ctx) else None
         if options.activation_checkpointing:
             # recompute activations in backward: memory falls with sequence length x layers, time rises ~30%
@@ -60,6 +64,21 @@ class LocalModelHost(ModelFacts):
         self.peft = None
         self.adapters: dict[str, Adapter] = {}
         self._slots: dict[str, str] = {}  # sampler slot adapter name -> snapshot id loaded in it
+
+    def _load_vision(self) -> tuple[ImageProcessing | None, str | None]:
+        """An image-text model's image processing, and why images cannot be served on it (None: they can)."""
+        if not is_image_text(self.model.config):
+            return None, None
+        vision = load_image_processing(self.model, self.source_dir, self.tokenizer)
+        why_not = probe_image_decoding(self.model, vision, self.vocab_size)
+        if why_not:
+            logger.warning("model type %s: image inputs are refused (%s); text is served as usual", self.model_type,
+                           why_not)
+        else:
+            logger.info("model type %s: an image-text model (%s); images are taken, the vision tower is %s",
+                        self.model_type, type(self.model).__name__,
+                        "adapted by LoRA" if self.options.lora_vision_tower else "frozen")
+        return vision, why_not
 
     # --- adapters ---------------------------------------------------------------------------------
 
