@@ -83,7 +83,7 @@ def scan(buf: bytes, limits: MsgpackLimits) -> None:
         if pos > n:
             raise MsgpackError("invalid_msgpack", "body: truncated msgpack")
         if children:
-            if len(stack) >= limits.max_depth:
+            if len(stack) > limits.max_depth:  # the root level plus the containers already open
                 raise MsgpackError("body_too_deep", f"body: msgpack nested deeper than {limits.max_depth} levels")
             stack.append(children)
         while stack and stack[-1] == 0:
