@@ -108,3 +108,23 @@ class RawClient:
                                 json={"base_model": model, "source_checkpoint_uri": uri})
         assert response.status_code == 200, response.text
         return response.json()
+
+
+class Session:
+    """A service session of the raw client, closed (its runs released) when the block ends."""
+
+    def __init__(self, client: RawClient) -> None:
+        self.client = client
+        self.cuid = client.session()
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.client.control("POST", f"/service-sessions/{self.cuid}/close", json={"status": "ENDED"})
+
+    def training_run(self, **kwargs: Any) -> Run:
+        return self.client.training_run(self.cuid, **kwargs)
+
+    def sampling_run(self, **kwargs: Any) -> dict:
+        return self.client.sampling_run(self.cuid, **kwargs)

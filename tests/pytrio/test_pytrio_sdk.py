@@ -10,7 +10,7 @@ import tarfile
 
 import numpy as np
 import pytest
-from conftest import KEY_A, KEY_B, run_sdk
+from conftest import KEY_A, KEY_B, finish_sdk, run_sdk
 from transformers import AutoTokenizer, GenerationConfig
 
 import pytrio_compat as ours
@@ -229,3 +229,15 @@ def test_forward_backward_custom_is_the_mean_reduced_linear_surrogate(report, pl
     reference.forward_backward(data, "cross_entropy").result()
     step = reference.optim_step(ours.AdamParams(learning_rate=1e-3)).result()
     assert custom["optim"]["grad_norm"] == pytest.approx(step.metrics["grad_norm"], rel=1e-5)
+
+
+def test_two_tenants_train_at_once_and_never_meet(pytrio_worker, plan, tmp_path):
+    rows = plan["next_batch"]
+    jobs = {key: run_sdk(pytrio_worker, key, "tenant_job", {"model": "tiny", "rows": rows, "name": f"job-{key}"},
+                         tmp_path / key, wait=False) for key in (KEY_A, KEY_B)}
+    a, b = (finish_sdk(jobs[key]) for key in (KEY_A, KEY_B))
+    # the same seed and data on one shared model: the same numbers, as if each had the worker alone
+    np.testing.assert_allclose(a["losses"], b["losses"], rtol=1e-6)
+    assert a["losses"][2] < a["losses"][0] and a["sample"] == b["sample"]
+    assert a["state"] in a["listed"] and b["state"] in b["listed"]
+    assert a["state"] not in b["listed"] and b["state"] not in a["listed"]

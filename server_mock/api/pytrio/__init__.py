@@ -61,8 +61,8 @@ class PytrioProtocol:
         def c(path: str, handler, methods=("GET",), prefix: str = OPENAPI) -> Route:
             return Route(prefix + path, control_endpoint(handler, state, auth), methods=list(methods))
 
-        def a(path: str, handler, methods=("POST",), media=("application/json",)) -> Route:
-            return Route(ACTOR + path, actor_endpoint(handler, state, media), methods=list(methods))
+        def a(path: str, handler, methods=("POST",), media=("application/json",), prefix: str = ACTOR) -> Route:
+            return Route(prefix + path, actor_endpoint(handler, state, media), methods=list(methods))
 
         link = self.downloads
         return [
@@ -94,7 +94,7 @@ class PytrioProtocol:
             a("/events/{event_id}", actor.get_event, ("GET",)),
             a("/client/heartbeat", actor.heartbeat),
             a("/sampling-runs/{run}/sample", sampling.sample),
-            a("/{rest:path}", _unknown_actor, ANY),
+            a("/{rest:path}", _unknown_actor, ANY, prefix=runs.ACTOR_PREFIX),
             *link.routes(),
         ]
 
