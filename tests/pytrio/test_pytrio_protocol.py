@@ -91,8 +91,9 @@ def test_keys_and_tokens_are_checked_and_tenants_see_only_their_own(worker, raw_
         other = session.training_run()
         sampler = session.sampling_run()
         saved = run.run("trainer.save_state", {"name": "mine"})["result"]["checkpoint"]
+        sampler_cuid = sampler["sampling_run_cuid"]
         for method, path in [("GET", f"/training-runs/{run.cuid}"), ("POST", f"/training-runs/{run.cuid}/renew"),
-                             ("GET", f"/service-sessions/{session.cuid}"), ("GET", f"/sampling-runs/{sampler['sampling_run_cuid']}"),
+                             ("GET", f"/service-sessions/{session.cuid}"), ("GET", f"/sampling-runs/{sampler_cuid}"),
                              ("GET", f"/checkpoints/{saved['checkpoint_cuid']}/download-url"),
                              ("DELETE", f"/checkpoints/{saved['checkpoint_cuid']}"),
                              ("GET", "/training-runs/by-checkpoint-uri?checkpoint_uri=" + saved["uri"])]:
@@ -299,7 +300,8 @@ def test_samples_are_checked_deduplicated_and_kept_alive(raw_a):
             response = _sample(raw_a, sampler, {"request_id": "req_1", "prompt": prompt, "sampling_params": params})
             assert response.status_code == status and response.json()["field"] == field, response.text
         image = {"chunks": [{"type": "image", "data": "iVBORw0KGgo=", "format": "png"}]}
-        refused = _sample(raw_a, sampler, {"request_id": "req_2", "prompt": image, "sampling_params": {"max_tokens": 2}})
+        refused = _sample(raw_a, sampler, {"request_id": "req_2", "prompt": image,
+                                           "sampling_params": {"max_tokens": 2}})
         assert (refused.status_code, refused.json()["code"]) == (400, "unsupported_input")
         body = {"request_id": "req_same", "prompt": prompt, "num_samples": 3,
                 "sampling_params": {"max_tokens": 48, "stop_token_ids": []}}  # unseeded, 48 tokens: > the keep-alive
