@@ -69,6 +69,9 @@ class PytrioOptions:
                                               "re-sent submits (the SDK retries for up to 900 s)", minimum=1)
     pytrio_events_per_run: int = setting(256, "finished training events kept per run for polls (older ones are "
                                               "forgotten first)", minimum=16, why="the SDK keeps 16 in flight")
+    pytrio_event_answer_bytes: int = setting(128 * 1024 * 1024, "bytes of finished training events' answers kept per "
+                                                                "run (forward results carry per-token tensors; older "
+                                                                "ones are forgotten first)", minimum=1 << 20)
     pytrio_max_sessions: int = setting(256, "open PyTRIO service sessions per API key", minimum=1)
     pytrio_session_ttl: float = setting(21600.0, "seconds a PyTRIO service session without any request is kept; "
                                                  "then it is closed and its runs released", minimum=60)

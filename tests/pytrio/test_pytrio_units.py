@@ -5,6 +5,7 @@ parsed by the SDK's own strict models, auto_shift, and what the state releases a
 from __future__ import annotations
 
 import asyncio
+import time
 
 import msgpack
 import numpy as np
@@ -300,3 +301,36 @@ def test_what_expires_is_released_and_nothing_else():
     now[0] = 1000.5
     asyncio.run(state.sweep())  # the session, idle past its TTL, closes with what is left
     assert session.cuid not in state.sessions and "t" not in state.sampling and service.dropped[-1] == "s-sr_3"
+
+
+def test_finished_answers_are_kept_within_count_bytes_and_time():
+    from server_mock.api.pytrio.events import Event, EventTable
+
+    async def nothing(event):
+        return None
+
+    async def scenario() -> None:
+        base = time.monotonic()  # record() also prunes, by the clock
+        table = EventTable(keep=3, ttl=100.0, execute=nothing, keep_bytes=270)
+        events = []
+        for i in range(5):
+            event = Event(f"event_00000000000{i}", "trainer.forward", i + 1, b"")
+            event.finish(b"x" * 60)
+            event.ended = base + i
+            table.record(event)
+            events.append(event)
+        table.prune(now=base)
+        assert list(table.events) == [e.event_id for e in events[2:]]  # at most 3 (180 bytes)
+        big = Event("event_0000000000zz", "trainer.forward", 6, b"")
+        big.finish(b"y" * 200)
+        big.ended = base + 5
+        table.record(big)
+        table.prune(now=base + 5)
+        assert list(table.events) == [events[4].event_id, big.event_id]  # 320 > 270 bytes: the oldest go first
+        waiting = Event("event_0000000000zy", "trainer.forward", 7, b"")
+        table.record(waiting)  # unfinished: never forgotten
+        table.prune(now=base + 104.5)
+        assert list(table.events) == [big.event_id, waiting.event_id]  # ended at base + 4: more than 100 s ago
+        assert table.next_index == 8
+
+    asyncio.run(scenario())

@@ -71,8 +71,8 @@ Execute = Callable[[Event], Awaitable[None]]
 class EventTable:
     """A run's events by id, the next index it admits, and the queue of admitted events not yet started."""
 
-    def __init__(self, keep: int, ttl: float, execute: Execute) -> None:
-        self.keep, self.ttl, self.execute = keep, ttl, execute
+    def __init__(self, keep: int, ttl: float, execute: Execute, keep_bytes: int = 128 << 20) -> None:
+        self.keep, self.ttl, self.execute, self.keep_bytes = keep, ttl, execute, keep_bytes
         self.next_index = 1
         self.events: OrderedDict[str, Event] = OrderedDict()
         self.admitting = asyncio.Lock()  # submits of this run, one at a time
@@ -133,14 +133,17 @@ class EventTable:
                     event.fail("internal_error", f"{type(exc).__name__}: {exc}")
 
     def prune(self, now: float | None = None) -> None:
-        """Forget finished events past their TTL, and the oldest finished ones beyond ``keep``."""
+        """Forget finished events past their TTL, and the oldest finished ones beyond ``keep`` events or
+        ``keep_bytes`` of answers."""
         now = time.monotonic() if now is None else now
         finished = [e for e in self.events.values() if e.finished]
         extra = len(finished) - self.keep
+        held = sum(len(e.answer) for e in finished)
         for event in finished:
-            if extra > 0 or now - (event.ended or now) > self.ttl:
+            if extra > 0 or held > self.keep_bytes or now - (event.ended or now) > self.ttl:
                 del self.events[event.event_id]
                 extra -= 1
+                held -= len(event.answer)
 
     def close(self, reason: str) -> None:
         """The run is released: events not started fail; those running on the model end as they finish."""

@@ -92,7 +92,7 @@ async def create_training_run(state: PytrioState, request: Request, tenant: str)
                       restore_optimizer=body.restore_optimizer and bool(uri), created=now, last_seen=now)
     options = state.options
     run.events = EventTable(options.pytrio_events_per_run, options.pytrio_event_ttl,
-                            partial(training.execute, state, run))
+                            partial(training.execute, state, run), options.pytrio_event_answer_bytes)
     state.add_training(run, session)
     models.preload(state, alias)
     return cw.TrainingRunCreatedOut(
@@ -104,8 +104,11 @@ async def create_training_run(state: PytrioState, request: Request, tenant: str)
 
 async def update_training_run(state: PytrioState, request: Request, tenant: str):
     """PATCH (load_state*): the run starts from a checkpoint; only before its first event."""
-    state.session(request.path_params["session"], tenant)
+    session = state.session(request.path_params["session"], tenant)
     run = state.training_run(request.path_params["run"], tenant)
+    if run.session_cuid != session.cuid:
+        raise WorkerError(404, "training_run_not_found", f"training_run: {run.cuid} is not a run of service session "
+                                                         f"{session.cuid}", "training_run_cuid")
     body = await read_model(request, cw.TrainingRunUpdateIn)
     if run.init != "none" or run.events.next_index > 1:
         raise WorkerError(409, "already_initialized", "training_run: load_state must come before the run's first "
