@@ -7,7 +7,7 @@ import importlib.util
 import math
 
 import pytest
-from conftest import KEY_A, run_sdk
+from pytrio_support import KEY_A, run_sdk
 
 import pytrio_compat as ours
 

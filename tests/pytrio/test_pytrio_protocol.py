@@ -234,10 +234,17 @@ def test_tokens_renew_and_die_with_their_session(raw_a, model_id):
     run = initialised(session, model_id)
     sampler = session.sampling_run()
     renewed = raw_a.control("POST", f"/training-runs/{run.cuid}/renew").json()
+    from pytrio.protocol.control.sampling_run.renew import SamplingRunRenewResponse
+    from pytrio.protocol.control.service_session.renew import ServiceSessionRenewResponse
+    from pytrio.protocol.control.training_run.renew import TrainingRunRenewResponse
+
+    TrainingRunRenewResponse.model_validate(renewed)  # the answers the SDK validates, as it validates them
+    ServiceSessionRenewResponse.model_validate(raw_a.control("POST", f"/service-sessions/{session.cuid}/renew").json())
     assert renewed["actor_jwt"]["token"] == run.token
     assert renewed["actor_jwt"]["expires_at"] >= run.created["actor_jwt"]["expires_at"]
     assert renewed["actor"]["endpoint"].endswith("/pytrio-actor")
     again = raw_a.control("POST", f"/sampling-runs/{sampler['sampling_run_cuid']}/renew").json()
+    SamplingRunRenewResponse.model_validate(again)
     assert again["actor_jwt"]["token"] == sampler["actor_jwt"]["token"]
     assert raw_a.control("POST", f"/service-sessions/{session.cuid}/close", json={"status": "CANCELLED"}
                          ).status_code == 204

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import KEY_A, run_sdk
+from pytrio_support import KEY_A, run_sdk
 from pytrio_raw import RawClient, datum, totals
 from transformers import AutoTokenizer
 

@@ -10,7 +10,7 @@ import tarfile
 
 import numpy as np
 import pytest
-from conftest import KEY_A, KEY_B, finish_sdk, run_sdk
+from pytrio_support import KEY_A, KEY_B, finish_sdk, run_sdk
 from transformers import AutoTokenizer, GenerationConfig
 
 import pytrio_compat as ours
@@ -189,6 +189,9 @@ def test_rest_listing_download_and_delete(report, pytrio_worker, ours_client):
     assert {state, weights, report["resumed"]} <= set(report["user_checkpoints"])
     assert report["run_info"]["lora_rank"] == 8 and report["training_run"] in report["training_runs"]
     assert report["sampler_info"]["base_model"] == "tiny"
+    assert len(report["sessions"]) == 1  # this key's open sessions: the script's own
+    assert report["training_run"] in report["session"]["training_run_ids"]
+    assert report["session"]["sampler_ids"]
     download = report["download"]
     assert download["full"]["status_code"] == 200 and not download["full"]["resumed"]
     assert download["resume"]["status_code"] == 206 and download["resume"]["resumed"]

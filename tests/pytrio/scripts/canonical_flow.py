@@ -97,6 +97,9 @@ run_info = rest.get_training_run(tc.training_run_cuid).result()
 report["run_info"] = {"base_model": run_info.base_model, "lora_rank": run_info.lora_rank}
 report["training_runs"] = [r.training_run_id for r in rest.list_training_runs().result().training_runs]
 report["sampler_info"] = rest.get_sampler(sampler.sampling_run_cuid).result().model_dump(mode="json")
+sessions = rest.list_sessions().result().sessions
+report["sessions"] = sessions
+report["session"] = rest.get_session(sessions[-1]).result().model_dump(mode="json")
 target = next(c for c in mine.checkpoints if c.path == state.path)
 destination = out_path.parent / "state.tar"
 full = rest.download_checkpoint(target.checkpoint_id, destination).result()
