@@ -146,9 +146,8 @@ class EventTable:
                 held -= len(event.answer)
 
     def close(self, reason: str) -> None:
-        """The run is released: events not started fail; those running on the model end as they finish."""
+        """The run is released: events not started fail; the one being started and those running on the model
+        end as they finish (a start is not cancelled midway: an adapter being made would be left behind)."""
         self.closed = True
         while self._queue:
             self._queue.popleft().fail("run_released", reason)
-        if self._drain is not None:
-            self._drain.cancel()
