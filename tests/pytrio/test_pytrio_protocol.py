@@ -16,6 +16,8 @@ import msgpack
 import pytest
 from pytrio_raw import MSGPACK, RawClient, Session, datum, envelope, event_id, totals
 
+pytest.importorskip("pytrio", reason="the official pytrio SDK (the dev extra) is not installed")
+
 KEY_A, KEY_B, KEY_C = "proto-a", "proto-b", "proto-c"
 ADAM = {"learning_rate": 1e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.0, "grad_clip_norm": 0.0}
 TOKENS = [5, 17, 200, 31, 8, 99, 140, 3]

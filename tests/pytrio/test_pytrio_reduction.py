@@ -16,6 +16,8 @@ from transformers import AutoTokenizer
 
 import pytrio_compat as ours
 
+pytest.importorskip("pytrio", reason="the official pytrio SDK (the dev extra) is not installed")
+
 TEXTS = ["12 + 30 = 42. The answer is 42.", "7 + 8 = 15", "what is 3 + 4? it is 7.", "one two three four", "9 - 4 = 5"]
 
 

@@ -17,6 +17,8 @@ import pytrio_compat as ours
 from server_mock.engine.host import default_stop_ids
 from server_mock.storage.checkpoints import CheckpointStore, parse_path
 
+pytest.importorskip("pytrio", reason="the official pytrio SDK (the dev extra) is not installed")
+
 POLICY = ("importance_sampling", "ppo", "cispo", "dro")
 CONFIGS = {"cross_entropy": None, "importance_sampling": None,
            "ppo": {"clip_low_threshold": 0.9, "clip_high_threshold": 1.05}, "cispo": None, "dro": {"beta": 0.3}}

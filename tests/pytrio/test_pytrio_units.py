@@ -19,6 +19,8 @@ from server_mock.api.pytrio.tokens import ActorTokens
 from server_mock.api.pytrio.training import _unshift, encode_forward, forward_batch
 from server_mock.errors import WorkerError
 
+pytest.importorskip("pytrio", reason="the official pytrio SDK (the dev extra) is not installed")
+
 # --- bounded msgpack ----------------------------------------------------------------------------------------------
 
 

@@ -4,7 +4,6 @@ catalog, service sessions (create, get, list, renew, close) and telemetry. Each 
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 from typing import TypeVar
 
@@ -90,5 +89,5 @@ async def close_session(state: PytrioState, request: Request, tenant: str):
     body = await read_model(request, cw.ServiceSessionCloseIn)
     session = state.session(request.path_params["session"], tenant)
     # answered at once: the SDK sends this at interpreter exit and waits for it
-    asyncio.ensure_future(state.close_session(session, body.status))
+    state.spawn(state.close_session(session, body.status), f"closing session {session.cuid}")
     return no_content()

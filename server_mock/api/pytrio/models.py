@@ -5,14 +5,9 @@ model ids. The run limits handed to the SDK drive how it splits its calls."""
 
 from __future__ import annotations
 
-import asyncio
-import logging
-
 from server_mock.api.pytrio import control_wire as cw
 from server_mock.api.pytrio.state import PytrioState, model_cuid
 from server_mock.errors import WorkerError
-
-logger = logging.getLogger("server_mock")
 
 
 def resolve(state: PytrioState, name: str, field: str = "base_model") -> str:
@@ -63,11 +58,5 @@ def catalog_item(state: PytrioState, alias: str) -> cw.ModelInfoOut:
 def preload(state: PytrioState, alias: str) -> None:
     """Start loading the model now (the run's first event needs it) without holding the Control answer."""
     models = state.service.models
-    if alias in models.hosts:
-        return
-
-    def done(task: asyncio.Task) -> None:
-        if not task.cancelled() and task.exception() is not None:
-            logger.warning("pytrio: loading %s failed: %s", alias, task.exception())
-
-    asyncio.ensure_future(models.host(alias)).add_done_callback(done)
+    if alias not in models.hosts:
+        state.spawn(models.host(alias), f"loading {alias}")

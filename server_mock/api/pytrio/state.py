@@ -14,12 +14,13 @@ their TTL. Every bound has a ``--pytrio-*`` flag (config.PytrioOptions, docs/rel
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from pytrio_compat.wire import LoraSpec
@@ -109,6 +110,19 @@ class PytrioState:
         self.training: dict[str, TrainingRun] = {}
         self.sampling: dict[str, OrderedDict[str, SamplingRun]] = {}  # tenant -> its runs, least recently used first
         self.temporary: dict[str, TemporaryWeights] = {}  # trio:// path -> expiry
+        self._tasks: set[asyncio.Task] = set()
+
+    def spawn(self, work: Awaitable, what: str) -> None:
+        """Run ``work`` in the background (held here until it ends; a failure is logged)."""
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+
+        def done(finished: asyncio.Task) -> None:
+            self._tasks.discard(finished)
+            if not finished.cancelled() and finished.exception() is not None:
+                logger.warning("pytrio: %s failed: %s", what, finished.exception())
+
+        task.add_done_callback(done)
 
     # --- sessions -------------------------------------------------------------------------------------------
 

@@ -37,7 +37,7 @@ async def execute(state: PytrioState, run: TrainingRun, event: Event) -> None:
         return
     if event.type == "trainer.end_run":
         event.finish(wire.succeeded(event.event_id, event.type, wire.EmptyResultOut(), wire.UsageOut()))
-        asyncio.ensure_future(state.release_training(run, "the client ended it"))
+        state.spawn(state.release_training(run, "the client ended it"), f"releasing {run.cuid}")
         return
     if run.init != "ready":
         event.fail("run_not_initialized", "the run's trainer.init_run failed: send a new trainer.init_run first")
