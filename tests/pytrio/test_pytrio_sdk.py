@@ -140,6 +140,8 @@ def test_five_losses_match_numpy_and_our_own_sdk(report, plan, ours_client):
         assert mine.metrics["loss_sum"] == pytest.approx(metrics["loss_sum"], rel=1e-5, abs=1e-5)
         for lp, out in zip(logprobs, mine.loss_fn_outputs):
             np.testing.assert_allclose(lp, np.asarray(out["logprobs"].data), atol=1e-5, rtol=0)
+    kind, code, message = report["refused"]  # an unknown loss option: a failed event, and the client went on
+    assert (kind, code) == ("EventFailedError", "invalid_loss") and "loss_fn_config.clip_epsilon" in message
     assert report["optim"]["grad_norm"] > 0 and report["optim"]["learning_rate"] == pytest.approx(1e-2)
     before = reference.forward([_ours_datum(plan["probe"])], "cross_entropy").result()
     moved = np.abs(np.asarray(report["after_step"][0]) - np.asarray(before.loss_fn_outputs[0]["logprobs"].data))

@@ -41,6 +41,12 @@ for loss, rows, config in plan["losses"]:
     result = tc.forward_backward([datum(r) for r in rows], loss, config).result()
     report["fb"][loss] = {"metrics": result.metrics, "logprobs": lists(result),
                           "shapes": [list(o["logprobs"].shape) for o in result.loss_fn_outputs]}
+# a failure the worker reports as a failed event: the call raises, the client goes on
+try:
+    tc.forward_backward([datum(r) for r in plan["losses"][2][1]], "ppo", {"clip_epsilon": 0.2}).result()
+    report["refused"] = None
+except Exception as error:  # noqa: BLE001 - EventFailedError, reported by its code
+    report["refused"] = [type(error).__name__, getattr(error, "code", ""), str(error)]
 step = tc.optim_step(T.AdamParams(learning_rate=1e-2, weight_decay=0.01, grad_clip_norm=1.0)).result()
 report["optim"] = step.metrics
 probe = [datum(plan["probe"])]
