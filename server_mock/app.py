@@ -1,6 +1,7 @@
-"""The worker's HTTP app: the three protocols' routes, shared state, the browser guard and the background sweeper.
+"""The worker's HTTP app: the four protocols' routes, shared state, the browser guard and the background sweepers.
 
-Each protocol is a package under server_mock/api/: native (/v1), tinker (/api/v1) and openai (/api/openai/v1),
+Each protocol is a package under server_mock/api/: native (/v1), tinker (/api/v1), openai (/api/openai/v1) and
+pytrio (/api/openapi/v1, /api/models, /api/sdk, /api/telemetry and /pytrio-actor/v1, for the official pytrio SDK),
 all over the one ``WorkerService``. Another route list is mounted by passing it as ``extra_routes``.
 """
 
@@ -19,22 +20,28 @@ from server_mock.api.browser_safety import BrowserGuard, HostPolicy
 from server_mock.api.native import native_routes
 from server_mock.api.native.endpoint import Idempotency
 from server_mock.api.openai.router import openai_routes
+from server_mock.api.pytrio import PytrioProtocol
 from server_mock.api.tinker.router import tinker_routes
+from server_mock.config import PytrioOptions
 from server_mock.service.worker import WorkerService
 
 
 def create_app(service: WorkerService, api_keys: list[str] | None = None, *, bind_host: str = "127.0.0.1",
-               allowed_hosts: Iterable[str] = (), extra_routes: Iterable[BaseRoute] = ()) -> Starlette:
+               allowed_hosts: Iterable[str] = (), extra_routes: Iterable[BaseRoute] = (),
+               pytrio_options: PytrioOptions | None = None) -> Starlette:
     auth = Auth(api_keys or [])
-    routes = [*native_routes(), *extra_routes, *tinker_routes(service, auth), *openai_routes(service, auth)]
+    pytrio = PytrioProtocol(service, auth, pytrio_options)
+    routes = [*native_routes(), *extra_routes, *tinker_routes(service, auth), *openai_routes(service, auth),
+              *pytrio.routes()]
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
-        task = asyncio.create_task(_sweep(service))
+        tasks = [asyncio.create_task(_sweep(service)), asyncio.create_task(pytrio.sweep_forever())]
         try:
             yield
         finally:
-            task.cancel()
+            for task in tasks:
+                task.cancel()
             service.stop()
 
     app = Starlette(routes=routes, lifespan=lifespan,
@@ -42,6 +49,7 @@ def create_app(service: WorkerService, api_keys: list[str] | None = None, *, bin
     app.state.service = service
     app.state.auth = auth
     app.state.idempotency = Idempotency()
+    app.state.pytrio = pytrio
     return app
 
 

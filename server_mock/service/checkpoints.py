@@ -17,6 +17,11 @@ from server_mock.service.quotas import TenantLRU
 from server_mock.storage.checkpoints import CheckpointRef, CheckpointStore, parse_path
 
 
+def checkpoint_id(path: str) -> str:
+    """The short id a checkpoint is listed (and may be deleted) by, in every protocol."""
+    return hashlib.sha256(path.encode()).hexdigest()[:16]
+
+
 class Checkpoints:
     def __init__(self, store: CheckpointStore, snapshots: TenantLRU[tuple[str, Snapshot]]) -> None:
         self.store = store
@@ -45,14 +50,15 @@ class Checkpoints:
                                 lora=LoraSpec.model_validate(meta["lora"]),
                                 has_optimizer=meta.get("has_optimizer", False))
 
+    def owned(self, tenant: str, training_run_id: str | None) -> list[tuple[CheckpointRef, dict, int]]:
+        """This tenant's checkpoints on disk (of one run, or all): each with its metadata and size in bytes."""
+        return [(ref, meta, size) for ref, meta, size in self.store.list(training_run_id)
+                if meta.get("tenant", "") == tenant]
+
     def list(self, tenant: str, training_run_id: str | None) -> CheckpointList:
-        entries = []
-        for ref, meta, size in self.store.list(training_run_id):
-            if meta.get("tenant", "") != tenant:
-                continue
-            entries.append(CheckpointEntry(checkpoint_id=hashlib.sha256(ref.path.encode()).hexdigest()[:16],
-                                           kind=ref.kind, path=ref.path, created_at=meta.get("created_at", 0.0),
-                                           size_bytes=size))
+        entries = [CheckpointEntry(checkpoint_id=checkpoint_id(ref.path), kind=ref.kind, path=ref.path,
+                                   created_at=meta.get("created_at", 0.0), size_bytes=size)
+                   for ref, meta, size in self.owned(tenant, training_run_id)]
         return CheckpointList(checkpoints=entries)
 
     def delete(self, path_or_id: str, tenant: str) -> None:

@@ -8,6 +8,7 @@ itself (Tinker's per-model gate) hands them over with ``seq_id=None``: next in o
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +24,8 @@ from server_mock.service.ops import ForwardBatch, PreparedOp, prepare_forward
 from server_mock.service.quotas import check_queued
 from server_mock.service.validation import check_adam
 from server_mock.storage.checkpoints import check_name
+
+RUN_ID_RE = re.compile(r"^run-[0-9a-f]{16,32}$")
 
 
 @dataclass
@@ -78,7 +81,11 @@ class Runs:
                               f"limit max_adapters={self.limits.max_adapters} reached on this worker (all tenants); "
                               "retry later or raise --max-adapters")
 
-    async def create(self, body: CreateTrainingRun, tenant: str) -> TrainingRun:
+    async def create(self, body: CreateTrainingRun, tenant: str, new_id: str | None = None) -> TrainingRun:
+        """A new run (``new_id``: its id, chosen by a front end that named the run before it existed; it must be
+        unused and of the form run ids have, ``run-<hex>``)."""
+        if new_id is not None and (new_id in self._runs or not RUN_ID_RE.match(new_id)):
+            raise bad_request("training_run_id", f"{new_id!r} is taken or not a run id (run-<hex>)")
         self._check_quota(tenant)
         meta = ref = None
         store = self.checkpoints.store
@@ -97,7 +104,7 @@ class Runs:
             base_model, spec = body.base_model, body.lora
         self._check_lora(spec)
         host = await self.models.host(base_model)
-        new_id = run_id("run")
+        new_id = new_id or run_id("run")
         made: list = []
 
         def create() -> dict:  # on the model's thread: checkpoint files are read there, off the event loop

@@ -100,6 +100,11 @@ class Samplers:
             self._local_snapshots.put(key, sampler.tenant, snap)
         return snap
 
+    def drop(self, sampler_id: str, tenant: str) -> None:
+        """Forget a sampler (a front end whose clients never close theirs releases them); its weights stay."""
+        if self._samplers.owner(sampler_id) == tenant:
+            self._samplers.pop(sampler_id)
+
     def get(self, sampler_id: str, tenant: str) -> Sampler:
         sampler = self._samplers.get(sampler_id)
         if sampler is None or sampler.tenant != tenant:

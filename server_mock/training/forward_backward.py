@@ -27,10 +27,12 @@ class TrainModel:
 
 
 def run_forward_backward(model: TrainModel, data: list[dict[str, np.ndarray]], loss_fn: str,
-                         config: dict[str, float], backward: bool) -> dict:
-    """Per-datum logprobs and losses of ``data`` with the model's active adapter; with ``backward`` the
-    summed loss's gradient accumulates. Datums sharing a prompt prefix run it once (prefix_sharing.py)."""
-    results = _Results(data, loss_fn, config, model.device)
+                         config: dict[str, float], backward: bool, loss_scale: float = 1.0) -> dict:
+    """Per-datum logprobs and losses of ``data`` with the model's active adapter; with ``backward`` the gradient of
+    the summed loss times ``loss_scale`` accumulates (1: the sum itself; a front end whose protocol reduces by a
+    mean over a call it may split passes 1/denominator). The losses and metrics are never scaled. Datums sharing a
+    prompt prefix run it once (prefix_sharing.py)."""
+    results = _Results(data, loss_fn, config, model.device, loss_scale)
     passes = prefix_planning.plan([d["tokens"] for d in data], model.micro_batch_tokens, model.prefix_share_min_tokens)
     with torch.set_grad_enabled(backward):
         for batch, chunks in passes.shared:
@@ -99,8 +101,10 @@ def _padded(rows: list[np.ndarray], device: str) -> tuple[torch.Tensor, torch.Te
 class _Results:
     """Per-datum losses, logprobs and the call's metrics, filled one micro-batch at a time."""
 
-    def __init__(self, data: list[dict[str, np.ndarray]], loss_fn: str, config: dict[str, float], device: str):
+    def __init__(self, data: list[dict[str, np.ndarray]], loss_fn: str, config: dict[str, float], device: str,
+                 loss_scale: float = 1.0):
         self.data, self.loss_fn, self.config, self.device = data, loss_fn, config, device
+        self.loss_scale = loss_scale
         self.outputs: list[dict[str, np.ndarray] | None] = [None] * len(data)
         self.loss_sum = 0.0
         self.token_count = 0
@@ -124,7 +128,7 @@ class _Results:
             self.outputs[index] = {"logprobs": lp.float().cpu().numpy(),
                                    "elementwise_loss": result.elementwise.float().cpu().numpy()}
         if backward and total is not None and total.requires_grad:
-            total.backward()
+            (total if self.loss_scale == 1.0 else total * self.loss_scale).backward()
 
     def summary(self) -> dict:
         metrics = {
