@@ -47,6 +47,9 @@ async def save_weights_for_sampler(state: TinkerState, request: Request, tenant:
 
         async def convert(result: dict) -> dict:
             sampler = await state.service.samplers.create(CreateSampler(model_path=result["path"]), tenant)
+            session = state.sessions.get(model.session_id)
+            if session is not None:  # its samples may be recorded for stable_reinforce
+                state.add_session_sampler(session, sampler.sampler_id)
             return {"sampling_session_id": sampler.sampler_id, "type": "save_weights_for_sampler"}
 
     return gated(state, tenant, model, body.get("seq_id"), body_digest, payload, convert, size)
