@@ -116,7 +116,7 @@ def validate_rows(loss_fn: str, data: Sequence[Mapping[str, np.ndarray]], host: 
             soft = key in losses.SOFT_TARGET_INPUTS.get(loss_fn, ())
             row[key] = _loss_input(datum[key], key, n, f"{where}.loss_fn_inputs.{key}", host,
                                    limits.max_target_k if soft else 0)
-        if row["target_tokens"].ndim == 2:
+        if any(row[key].ndim == 2 for key in losses.SOFT_TARGET_INPUTS.get(loss_fn, ()) if key in row):
             cells += _check_soft_targets(row, where)
         out.append(row)
     if total > limits.max_tokens_per_request:
@@ -134,8 +134,11 @@ RECORDED_HINT = ("filled in by the worker from what it recorded at sampling time
 
 
 def _check_soft_targets(row: dict[str, np.ndarray], where: str) -> int:
-    """Soft targets [N, K] need weights of the same shape; returns N x K."""
+    """Soft targets [N, K] and their weights come together, of one shape; returns N x K."""
     targets, weights = row["target_tokens"], row.get("weights")
+    if targets.ndim == 1:
+        raise bad_request(f"{where}.loss_fn_inputs.weights", f"weights of shape {list(weights.shape)} need "
+                                                              "target_tokens of the same shape (soft targets)")
     if weights is None or weights.shape != targets.shape:
         got = "none" if weights is None else list(weights.shape)
         raise bad_request(f"{where}.loss_fn_inputs.weights", f"soft targets of shape {list(targets.shape)} need "
