@@ -58,6 +58,9 @@ class Limits:
     max_recorded_tokens: int = setting(16_777_216, "tokens (prompts once per request, plus sampled tokens) held in "
                                                    "stability records per API key (least recently used dropped "
                                                    "first)")
+    checkpoint_sweep_seconds: float = setting(60.0, "how often expired checkpoints (ttl_seconds) are deleted from "
+                                                    "disk, in seconds; they answer 404 from their expiry on",
+                                              minimum=0.05, why="the sweeper's own tick")
     recorded_sequence_ttl: float = setting(86_400.0, "seconds a stability record is kept after its last use "
                                                      "(sampling, or a training request naming it)")
 

@@ -120,6 +120,7 @@ class Samplers:
             key = f"{sampler.base_model}:local:{sampler.tenant}:{sampler.model_path}"
             return key, lambda: self._local_snapshot(sampler, host)
         snapshots = self.checkpoints.snapshots
+        self.checkpoints.drop_if_expired(sampler.model_path)
         cached = snapshots.get(sampler.model_path)
         if cached is not None:
             snap = cached[1]
@@ -140,6 +141,7 @@ class Samplers:
             spec = LoraSpec.model_validate(meta["lora"])
             tensors = store.read_tensors(ref, "adapter_model.safetensors")
             snap = Snapshot(hashlib.sha256(ref.path.encode()).hexdigest()[:16], spec, host.lora_targets(spec), tensors)
+            self.checkpoints.remember_expiry(sampler.model_path, meta)
             snapshots.put(sampler.model_path, sampler.tenant, (sampler.base_model, snap))
             return snap
 

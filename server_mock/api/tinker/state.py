@@ -44,7 +44,8 @@ class Session:
     creations: int = 0
     # its sampling clients, newest last (the service keeps at most max_samplers of a key's samplers anyway)
     sampler_ids: OrderedDict[str, None] = field(default_factory=OrderedDict)
-    user_metadata: dict[str, str] | None = None
+    user_metadata: dict[str, str] | None = None  # create_session's (ServiceClient(user_metadata=...))
+    display_name: str | None = None
 
 
 @dataclass
