@@ -10,7 +10,8 @@ optimizer steps), weights (save, load, describe), sampling (sampling sessions, a
 (retrieve_future), rest (training runs, checkpoints and sessions for ``RestClient``; records builds its
 answers). state holds what they share, gate the per-model seq_id ordering (holding bounds what waiting requests
 keep) and submit the hand-over to the service in that order, provenance the records behind stable_reinforce,
-endpoint the HTTP plumbing, paths the tinker:// names. The bounds are listed in docs/reliability.md ("Tinker protocol hardening").
+endpoint the HTTP plumbing, paths the tinker:// names. The bounds are listed in docs/reliability.md ("Tinker
+protocol hardening").
 """
 
 from __future__ import annotations
