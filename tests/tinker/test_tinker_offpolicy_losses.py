@@ -1,6 +1,7 @@
 """stable_reinforce, gspo and soft-target cross-entropy through the official ``tinker`` SDK against a real worker:
 sampling with ``record_stability_info``, datums with provenance as the cookbook builds them, and each loss
-checked against a numpy computation from the returned logprobs and the sampler's numbers."""
+checked against a numpy computation from the returned logprobs and the sampler's numbers. The group's datums
+share a 40-token prompt, so the worker runs it once for them (prefix sharing)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 from tinker import types
 
 KEY = "tml-provenance"
-PROMPT = [1, 17, 42, 99, 7, 300, 5]
+PROMPT = [1] + [(13 * i) % 400 + 20 for i in range(39)]  # 40 tokens: a group's datums share them (prefix sharing)
 
 
 @pytest.fixture(scope="module")

@@ -219,3 +219,37 @@ def test_hosted_only_features_are_refused_with_their_reason(worker, monkeypatch)
     with pytest.raises(RuntimeError, match="JWT"):
         rest.whoami().result(30)
     sc.close("success").result(30)
+
+
+@pytest.mark.slow
+def test_the_tinker_cli_lists_describes_and_deletes(worker):
+    """The SDK's own CLI (``tinker run list``, ``checkpoint list/info/set-ttl/delete``) on the REST routes (slow:
+    each command is a process that imports the SDK)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    sc, rest = clients(worker, KEY_A)
+    tc = sc.create_lora_training_client("tiny", rank=4, seed=9, user_metadata={"renderer_name": "qwen3"}).result(60)
+    path = tc.save_state("cli").result(60).path
+    run_id = path.split("/")[2]
+    env = {**os.environ, "TINKER_BASE_URL": worker.base_url, "TINKER_API_KEY": KEY_A, "TINKER_TELEMETRY": "0"}
+
+    def cli(*args: str) -> str:
+        done = subprocess.run([sys.executable, "-m", "tinker.cli", "--format", "json", *args], env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout
+
+    assert run_id in [r["training_run_id"] for r in json.loads(cli("run", "list", "--limit", "0"))["runs"]]
+    info = json.loads(cli("run", "info", run_id))
+    assert info["training_run_id"] == run_id and info["user_metadata"] == {"renderer_name": "qwen3"}
+    listed = json.loads(cli("checkpoint", "list", "--run-id", run_id))["checkpoints"]
+    assert [c["tinker_path"] for c in listed] == [path]
+    assert json.loads(cli("checkpoint", "info", path))["tinker_path"] == path
+    cli("checkpoint", "set-ttl", path, "--ttl", "7200")
+    assert json.loads(cli("checkpoint", "info", path))["expires_at"] is not None
+    cli("checkpoint", "delete", path, "--yes")
+    assert not folder(worker, path).exists()
+    sc.close("success").result(30)
