@@ -54,13 +54,15 @@ def create_app(service: WorkerService, api_keys: list[str] | None = None, *, bin
 
 
 async def _sweep(service: WorkerService) -> None:
-    """Drop expired results (within 1.5 x the TTL) and, every minute, expired checkpoints on disk."""
-    sweep_every = max(0.05, min(60.0, service.requests.result_ttl / 2))
+    """Drop expired results (within 1.5 x the TTL) and, every --checkpoint-sweep-seconds (a minute), expired
+    checkpoints on disk."""
+    disk_every = service.limits.checkpoint_sweep_seconds
+    sweep_every = max(0.05, min(60.0, service.requests.result_ttl / 2, disk_every))
     loop = asyncio.get_running_loop()
     last_disk_sweep = loop.time()
     while True:
         await asyncio.sleep(sweep_every)
         service.requests.sweep()
-        if loop.time() - last_disk_sweep >= 60:
+        if loop.time() - last_disk_sweep >= disk_every:
             last_disk_sweep = loop.time()
-            await asyncio.to_thread(service.store.sweep_expired)
+            await asyncio.to_thread(service.checkpoints.sweep)

@@ -48,6 +48,21 @@ class Limits:
                                                  "(a decompression bomb is refused unread)")
     max_images_per_request: int = setting(256, "image chunks in one sample or forward/backward request, all datums "
                                                "together (identical images are decoded once)")
+    # soft-target cross-entropy: target_tokens / weights of shape [N, K] (top-K distillation sends K ~ 20)
+    max_target_k: int = setting(1024, "K, the targets per position of soft-target cross-entropy ([N, K] inputs)")
+    max_target_cells: int = setting(4_194_304, "soft-target cells (N x K, all datums together) in one "
+                                               "forward/backward request")
+    # stable_reinforce: what the sampler records per returned sequence when asked (record_stability_info)
+    max_recorded_sequences: int = setting(65_536, "sampled sequences whose stability records are kept per API key "
+                                                  "(least recently used dropped first)")
+    max_recorded_tokens: int = setting(16_777_216, "tokens (prompts once per request, plus sampled tokens) held in "
+                                                   "stability records per API key (least recently used dropped "
+                                                   "first)")
+    checkpoint_sweep_seconds: float = setting(60.0, "how often expired checkpoints (ttl_seconds) are deleted from "
+                                                    "disk, in seconds; they answer 404 from their expiry on",
+                                              minimum=0.05, why="the sweeper's own tick")
+    recorded_sequence_ttl: float = setting(86_400.0, "seconds a stability record is kept after its last use "
+                                                     "(sampling, or a training request naming it)")
 
 
 @dataclass

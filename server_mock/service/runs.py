@@ -35,6 +35,7 @@ class TrainingRun:
     base_model: str
     spec: LoraSpec
     adapter: Any  # the host's adapter object
+    user_metadata: dict[str, str] | None = None  # a front end's labels (Tinker create_model), kept in checkpoints
     last_seq: int = 0
     seqs: dict[int, tuple[str, str]] = field(default_factory=dict)  # seq_id -> (request_id, body hash)
     admitting: asyncio.Lock = field(default_factory=asyncio.Lock)  # ops from the network, one at a time
@@ -125,6 +126,10 @@ class Runs:
         run = TrainingRun(new_id, tenant, base_model, stored_spec, made[0])
         self._runs[new_id] = run
         return run
+
+    def owned(self, tenant: str) -> list[TrainingRun]:
+        """This tenant's live runs."""
+        return [run for run in self._runs.values() if run.tenant == tenant]
 
     def get(self, training_run_id: str, tenant: str) -> TrainingRun:
         run = self._runs.get(training_run_id)

@@ -58,7 +58,7 @@ def record(state: PytrioState, ref: CheckpointRef, meta: dict, size: int) -> cw.
 
 
 async def _listing(state: PytrioState, request: Request, tenant: str, run_cuid: str | None):
-    rows = await asyncio.to_thread(state.service.checkpoints.owned, tenant, run_cuid)
+    rows = await asyncio.to_thread(state.service.checkpoints.records, tenant, run_cuid)
     rows.sort(key=lambda row: (row[1].get("created_at", 0.0), row[0].path))
     served, cursor = page(rows, request)
     return {"checkpoints": [record(state, *row).model_dump(mode="json") for row in served],
