@@ -37,18 +37,18 @@ def make_datum(seed: int) -> dict[str, np.ndarray]:
 
 
 def ref_token(loss_fn: str, lp: float, q: float, a: float, w: float, cfg: dict) -> float:
-    """Per-token loss, written straight from the formulas."""
+    """Per-token loss, written straight from the formulas (policy losses scaled by their optional weight)."""
     r = math.exp(lp - q)
     if loss_fn == "cross_entropy":
         return -w * lp
     if loss_fn == "importance_sampling":
-        return -r * a
+        return -w * r * a
     if loss_fn == "ppo":
         clipped = min(max(r, cfg["clip_low_threshold"]), cfg["clip_high_threshold"])
-        return -min(r * a, clipped * a)
+        return -w * min(r * a, clipped * a)
     if loss_fn == "cispo":
         clipped = min(max(r, cfg["clip_low_threshold"]), cfg["clip_high_threshold"])
-        return -clipped * lp * a
+        return -w * clipped * lp * a
     if loss_fn == "dro":
         return -(lp * a - 0.5 * cfg["beta"] * (lp - q) ** 2)
     raise AssertionError(loss_fn)
@@ -61,14 +61,14 @@ def ref_grad_token(loss_fn: str, lp: float, q: float, a: float, w: float, cfg: d
     if loss_fn == "cross_entropy":
         return -w
     if loss_fn == "importance_sampling":
-        return -r * a
+        return -w * r * a
     if loss_fn == "ppo":
         clipped = min(max(r, lo), hi)
         if r * a <= clipped * a or lo < r < hi:  # unclipped branch active
-            return -r * a
+            return -w * r * a
         return 0.0
     if loss_fn == "cispo":
-        return -min(max(r, lo), hi) * a
+        return -w * min(max(r, lo), hi) * a
     if loss_fn == "dro":
         return -(a - cfg["beta"] * (lp - q))
     raise AssertionError(loss_fn)
@@ -227,7 +227,8 @@ def test_token_count_rules():
     assert run("cross_entropy", d, {})[0].token_count == 3  # mask & w != 0: positions 1, 3, 4
     assert run("cross_entropy", d, {}, drop_weights=True)[0].token_count == 4  # weights default to ones
     for loss_fn in ("importance_sampling", "ppo", "cispo"):
-        assert run(loss_fn, d, CFGS[loss_fn])[0].token_count == 2  # mask & A != 0: positions 2, 3
+        assert run(loss_fn, d, CFGS[loss_fn], drop_weights=True)[0].token_count == 2  # mask & A != 0: positions 2, 3
+        assert run(loss_fn, d, CFGS[loss_fn])[0].token_count == 1  # & w != 0: position 3
     assert run("dro", d, CFGS["dro"])[0].token_count == 4  # mask only
 
 
