@@ -362,3 +362,98 @@ def test_resolve_config_not_a_dict():
     with pytest.raises(LossConfigError) as e:
         resolve_loss_config("ppo", [0.8, 1.2])
     assert e.value.field == "loss_fn_config"
+
+
+# --- the KL to the reference and the entropy (policy_terms.py) ---------------------------------------------------
+
+def test_resolve_kl_and_entropy_keys():
+    # only the keys given come back: a request without them resolves exactly as before
+    assert resolve_loss_config("ppo", {"kl_coef": 0}) == {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2,
+                                                          "kl_coef": 0.0, "kl_estimator": "k3"}
+    assert resolve_loss_config("importance_sampling", {"kl_coef": 0.05, "kl_estimator": "k1"}) == {
+        "kl_coef": 0.05, "kl_estimator": "k1"}
+    assert resolve_loss_config("cross_entropy", {"return_entropy": True}) == {"return_entropy": True}
+    assert resolve_loss_config("dro", {"return_entropy": 1.0}) == {"beta": 0.05, "return_entropy": True}
+    assert resolve_loss_config("cispo", {"return_entropy": False}) == {"clip_low_threshold": 0.0,
+                                                                       "clip_high_threshold": 4.0}
+
+
+@pytest.mark.parametrize(
+    "loss_fn, config, field",
+    [
+        ("ppo", {"kl_coef": -1e-12}, "kl_coef"),  # one past the bound 0
+        ("ppo", {"kl_coef": float("nan")}, "kl_coef"),
+        ("ppo", {"kl_coef": float("inf")}, "kl_coef"),
+        ("ppo", {"kl_coef": True}, "kl_coef"),
+        ("ppo", {"kl_coef": "0.1"}, "kl_coef"),
+        ("ppo", {"kl_coef": 0.1, "kl_estimator": "k4"}, "kl_estimator"),
+        ("ppo", {"kl_coef": 0.1, "kl_estimator": 3}, "kl_estimator"),
+        ("ppo", {"kl_estimator": "k3"}, "kl_estimator"),  # without kl_coef
+        ("cross_entropy", {"kl_coef": 0.1}, "kl_coef"),
+        ("dro", {"kl_coef": 0.1}, "kl_coef"),
+        ("ppo", {"return_entropy": 2}, "return_entropy"),
+        ("ppo", {"return_entropy": "yes"}, "return_entropy"),
+    ],
+)
+def test_resolve_bad_kl_and_entropy_values(loss_fn, config, field):
+    with pytest.raises(LossConfigError) as e:
+        resolve_loss_config(loss_fn, config)
+    assert e.value.field == f"loss_fn_config.{field}"
+
+
+def test_unknown_key_message_lists_the_shared_keys():
+    with pytest.raises(LossConfigError) as e:
+        resolve_loss_config("ppo", {"beta": 0.1})
+    assert "kl_coef" in str(e.value) and "return_entropy" in str(e.value)
+    with pytest.raises(LossConfigError) as e:
+        resolve_loss_config("cross_entropy", {"kl": 0.1})
+    assert "return_entropy" in str(e.value) and "kl_coef" not in str(e.value)
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_kl_term_value_gradient_and_token_count(estimator):
+    """w * (surrogate + beta * KL) per token against the formulas; the KL trains tokens whose advantage is 0 when
+    weights mark them, and only the tokens with A != 0 without weights."""
+    lp = np.array([-1.0, -2.0, -0.5, -3.0, -1.5])
+    ref = np.array([-1.2, -1.0, -0.5, 2.0, -1.0])
+    d = {"target_tokens": np.array([1, 2, 3, -100, 5]), "lp": lp, "logprobs": lp.copy(),
+         "advantages": np.array([1.0, 0.0, -2.0, 1.0, 0.5]), "weights": np.array([0.5, 1.0, 1.0, 1.0, 0.0])}
+    beta = 0.3
+
+    def kl(x, r):
+        return {"k1": x - r, "k2": 0.5 * (x - r) ** 2, "k3": math.exp(r - x) - (r - x) - 1}[estimator]
+
+    def dkl(x, r):
+        return {"k1": 1.0, "k2": x - r, "k3": 1 - math.exp(r - x)}[estimator]
+
+    cfg = resolve_loss_config("importance_sampling", {"kl_coef": beta, "kl_estimator": estimator})
+    for weighted in (True, False):
+        lp_t = torch.tensor(lp, dtype=torch.float32, requires_grad=True)
+        inputs = {"target_tokens": torch.tensor(d["target_tokens"]),
+                  "logprobs": torch.tensor(lp, dtype=torch.float32),
+                  "advantages": torch.tensor(d["advantages"], dtype=torch.float32)}
+        if weighted:
+            inputs["weights"] = torch.tensor(d["weights"], dtype=torch.float32)
+        res = compute_loss("importance_sampling", lp_t, inputs, cfg, torch.tensor(ref, dtype=torch.float32))
+        res.loss.backward()
+        want, grad, kls = 0.0, np.zeros(5), np.zeros(5)
+        for i in range(5):
+            a, w = d["advantages"][i], d["weights"][i] if weighted else 1.0
+            trained = d["target_tokens"][i] != -100 and (w != 0 if weighted else a != 0)
+            if not trained:
+                continue
+            want += w * (-a + beta * kl(lp[i], ref[i]))  # r = 1 here: lp == q
+            grad[i] = w * (-a + beta * dkl(lp[i], ref[i]))
+            kls[i] = kl(lp[i], ref[i])
+        assert res.loss.item() == pytest.approx(want, rel=1e-6, abs=1e-6)
+        np.testing.assert_allclose(lp_t.grad.numpy(), grad, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(res.kl.numpy(), kls, rtol=1e-5, atol=1e-6)
+        # weighted: positions 0, 1, 2 (position 1 has A = 0 but a weight); unweighted: A != 0 -> 0, 2, 4
+        assert res.token_count == 3
+
+
+def test_kl_coef_needs_reference_logprobs():
+    cfg = resolve_loss_config("ppo", {"kl_coef": 0.1})
+    inputs = {"target_tokens": torch.tensor([1]), "logprobs": torch.zeros(1), "advantages": torch.ones(1)}
+    with pytest.raises(ValueError, match="reference"):
+        compute_loss("ppo", torch.zeros(1, requires_grad=True), inputs, cfg)
