@@ -114,9 +114,9 @@ async def run(args):
         # --dynamic-sampling, more prompts until batch-size groups have rewards that differ (grpo_variants.py).
         batch = StepBatch(args, reward, tokenizer, stats, countdown_parts if args.dataset == "countdown" else None)
         batch.add(await rollouts(rows, 0))
-        while batch.missing():
+        while missing := batch.missing():
             batch.rounds += 1
-            more = extra_rows(train_rows, args.seed, step, batch.rounds, batch.missing())
+            more = extra_rows(train_rows, args.seed, step, batch.rounds, missing)
             batch.add(await rollouts(more, batch.rounds * args.batch_size))
         datums = batch.datums()
         metrics_extra.update(batch.metrics())
