@@ -218,3 +218,30 @@ def test_variants_train_against_the_worker(worker, load_demo, tmp_path, monkeypa
     for row in summary["history"]:
         assert row["datums"] == 8 and row["dynamic/extra_rounds"] == 0 and 0.0 <= row["clip_frac"] <= 1.0
         assert math.isfinite(row["loss_mean"]) and abs(row["kl_sample_train"]) < 1e-3
+
+
+_ANSWER = "(25 + 8) * 2 - 3 = 63\n#### 63"
+
+
+def _completion_texts():
+    from hypothesis import strategies as st
+
+    pieces = st.sampled_from(["25", "8", "2", "3", "+", "-", "*", "/", "(", ")", " ", "**", "x", "\\times", "9"])
+    return st.lists(pieces, max_size=20).map(lambda p: "so \\boxed{" + "".join(p) + "}")
+
+
+def test_countdown_parts_add_up_to_the_reward():
+    from hypothesis import given, settings
+
+    from recipes.countdown import countdown_parts, countdown_reward
+
+    @settings(max_examples=300, deadline=None)
+    @given(_completion_texts())
+    def check(text):
+        parts = countdown_parts(text, _ANSWER)
+        assert parts.reward() == countdown_reward(text, _ANSWER)
+        assert parts.format_ok or not parts.correct  # a solution is always well-formed
+
+    check()
+    assert countdown_parts("\\boxed{(25 + 8) * 2 - 3}", _ANSWER).correct
+    assert not countdown_parts("\\boxed{25 ** 2}", _ANSWER).format_ok
