@@ -208,8 +208,10 @@ def _weights_and_kl(per_token: torch.Tensor, counted: torch.Tensor, lp: torch.Te
         if w is not None:
             counted = mask & (w != 0)
         zero = torch.zeros((), dtype=lp.dtype)
-        term = torch.where(counted, policy_terms.kl_estimate(lp, torch.where(mask, ref.to(lp.dtype), zero),
-                                                             config["kl_estimator"]), zero)
+        # both sides zeroed off the counted positions (every estimator is 0 at lp == ref), so an extreme value
+        # there can never reach the gradient as inf * 0
+        term = policy_terms.kl_estimate(torch.where(counted, lp, zero), torch.where(counted, ref.to(lp.dtype), zero),
+                                        config["kl_estimator"])
         if config["kl_coef"] > 0:
             per_token = per_token + config["kl_coef"] * term
         kl = term.detach()

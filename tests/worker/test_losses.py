@@ -457,3 +457,15 @@ def test_kl_coef_needs_reference_logprobs():
     inputs = {"target_tokens": torch.tensor([1]), "logprobs": torch.zeros(1), "advantages": torch.ones(1)}
     with pytest.raises(ValueError, match="reference"):
         compute_loss("ppo", torch.zeros(1, requires_grad=True), inputs, cfg)
+
+
+def test_extreme_values_off_the_trained_tokens_never_reach_the_kl_gradient():
+    """A prompt position (A = 0, no weights) whose policy and reference disagree wildly: exp(ref - lp) is inf
+    in float32 there, yet the loss and the gradient stay finite and that position's gradient is 0."""
+    lp = torch.tensor([-1.0, -100.0, -0.5], requires_grad=True)
+    inputs = {"target_tokens": torch.tensor([1, 2, 3]), "logprobs": torch.tensor([-1.0, -1.0, -0.5]),
+              "advantages": torch.tensor([1.0, 0.0, 1.0])}
+    res = compute_loss("importance_sampling", lp, inputs, resolve_loss_config("importance_sampling", {"kl_coef": 1}),
+                       torch.tensor([-1.0, 0.0, -0.5]))
+    res.loss.backward()
+    assert math.isfinite(res.loss.item()) and torch.isfinite(lp.grad).all() and lp.grad[1] == 0
