@@ -13,7 +13,8 @@ additions at steps 0, 10 and 20) with a few flags added; every arm reports the e
     python benchmarks/grpo_variants.py --report                                  # the plot and the table again
 
 Each finished run's metrics.jsonl stays under --runs; the report reads whatever is there, so a sweep can be
-stopped and resumed, and reports the seeds it found. Error bars: the standard deviation across seeds.
+stopped and resumed, and reports the seeds it found; every run's rows also go to
+results/grpo_variants_curves.json. Error bars: the standard deviation across seeds.
 """
 
 from __future__ import annotations
@@ -131,6 +132,8 @@ def main() -> None:
             for arm in args.arms:
                 print(f"{arm} seed {seed}: {run_arm(arm, seed, args.runs)}", flush=True)
     data = load_runs(args.runs)
+    (RESULTS / "grpo_variants_curves.json").write_text(json.dumps(data))  # every run's metrics rows (the runs
+    # folder itself is not kept in the repository)
     path = plot(data, RESULTS / "grpo_variants.png")
     save("grpo_variants", {"arms": {a: ARMS[a] for a in data}, "common": COMMON, "summary": summary(data),
                            "plot": str(path.relative_to(ROOT))})
