@@ -188,13 +188,16 @@ def test_worker_step_equals_the_textbook_step(hosts, path, mode, estimator, monk
     beta = 0.3  # large, so a wrong KL term would show in the gradient
     want_loss, want_grads, want_kl, want_ref = oracle_step(host, adapter, seqs, advantages, q, mode, beta, estimator)
 
-    prefix_passes = []
+    prefix_passes, prefix_runs = [], []
     monkeypatch.setattr(fb.prefix_sharing.SharedPrefix, "backward",
                         _counting(fb.prefix_sharing.SharedPrefix.backward, prefix_passes))
+    monkeypatch.setattr(fb.prefix_sharing.SharedPrefix, "__init__",
+                        _counting(fb.prefix_sharing.SharedPrefix.__init__, prefix_runs))
     weights = aggregation_weights(mode, [len(c) for _, c in seqs], MAX_TOKENS) or [1.0] * len(seqs)
     config = {"clip_low_threshold": LO, "clip_high_threshold": HI, "kl_coef": beta, "kl_estimator": estimator}
     out, grads = worker_step(host, adapter, worker_datums(seqs, advantages, q, weights), config)
-    assert len(prefix_passes) == (1 if path == "shared" else 0)  # the two prompts shared in one pass
+    # the two prompts run once in the reference pass and once in the training pass (one backward)
+    assert (len(prefix_runs), len(prefix_passes)) == ((2, 1) if path == "shared" else (0, 0))
 
     metrics = out["metrics"]
     assert metrics["loss_sum"] == pytest.approx(want_loss, rel=TOL, abs=TOL)
