@@ -8,15 +8,20 @@ nothing and is accepted; any other value of an unsupported field is refused, nev
 from __future__ import annotations
 
 import math
+import reprlib
 from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
 from pydantic import ValidationError as PydanticValidationError
 
+from pytrio_compat.types.bounds import MAX_ITEMS, MAX_TOKENS, bounded_list
+from server_mock.api.bodies import first_error
 from server_mock.errors import WorkerError
+from server_mock.service.validation import describe_int
 
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit
+MAX_LISTED_STOPS = 1024  # a longer stop list is refused while it is parsed (more than 4 are refused after)
 MAX_TOP_LOGPROBS = 20  # chat top_logprobs (and the worker's top-k prompt logprobs limit)
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions `logprobs` integer
 ROLES = ("system", "developer", "user", "assistant")
@@ -56,7 +61,7 @@ class _Part(BaseModel):
 class _Message(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: StrictStr
-    content: StrictStr | list[_Part]
+    content: StrictStr | bounded_list(_Part, MAX_ITEMS)
 
 
 class _StreamOptions(BaseModel):
@@ -72,7 +77,7 @@ class _Common(BaseModel):
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: StrictInt = -1  # an extension (vLLM's name): -1 is off
-    stop: StrictStr | list[StrictStr] | None = None
+    stop: StrictStr | bounded_list(StrictStr, MAX_LISTED_STOPS) | None = None
     seed: StrictInt | None = None
     stream: StrictBool = False
     stream_options: _StreamOptions | None = None
@@ -80,14 +85,15 @@ class _Common(BaseModel):
 
 
 class ChatBody(_Common):
-    messages: list[_Message]
+    messages: bounded_list(_Message, MAX_ITEMS)
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
 
 
 class CompletionBody(_Common):
-    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    prompt: (StrictStr | bounded_list(StrictStr, MAX_ITEMS) | bounded_list(StrictInt, MAX_TOKENS)
+             | bounded_list(bounded_list(StrictInt, MAX_TOKENS), MAX_ITEMS))
     logprobs: StrictInt | None = None
 
 
@@ -124,16 +130,18 @@ def parse_chat(body: dict, max_samples: int, max_sample_tokens: int) -> Generati
     messages = []
     for i, message in enumerate(req.messages):
         if message.role not in ROLES:
-            raise invalid(f"messages[{i}].role", f"{message.role!r} is not supported; use one of {', '.join(ROLES)}"
-                          + (" (tool calling is not supported)" if message.role in ("tool", "function") else ""))
+            tools = " (tool calling is not supported)" if message.role in ("tool", "function") else ""
+            raise invalid(f"messages[{i}].role", f"{_short(message.role)} is not supported; use one of "
+                                                 f"{', '.join(ROLES)}{tools}")
         if isinstance(message.content, str):
-            text = message.content
+            text = check_text(f"messages[{i}].content", message.content)
         else:
             for j, part in enumerate(message.content):
                 if part.type != "text" or part.text is None:
-                    raise invalid(f"messages[{i}].content[{j}]", f"{part.type!r} parts are not supported: "
+                    raise invalid(f"messages[{i}].content[{j}]", f"{_short(part.type)} parts are not supported: "
                                   "this worker serves text models (send {\"type\": \"text\", \"text\": ...})",
                                   code="unsupported_parameter")
+                check_text(f"messages[{i}].content[{j}].text", part.text)
             text = "".join(part.text or "" for part in message.content)
         messages.append({"role": message.role, "content": text})
     if req.max_tokens is not None and req.max_completion_tokens is not None \
@@ -160,6 +168,9 @@ def parse_completion(body: dict, max_samples: int, max_sample_tokens: int) -> Ge
         prompts = list(prompt)
     if not prompts or any(len(p) == 0 for p in prompts):
         raise invalid("prompt", "must be a non-empty string, a non-empty list of token ids, or a list of them")
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            check_text("prompt" if isinstance(prompt, str) else f"prompt[{i}]", p)
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_COMPLETION_LOGPROBS:
         raise invalid("logprobs", f"must be in [0, {MAX_COMPLETION_LOGPROBS}], got {req.logprobs}")
     gen = _common(req, req.max_tokens, "max_tokens", max_samples, max_sample_tokens, len(prompts),
@@ -189,6 +200,8 @@ def _common(req: _Common, max_tokens: int | None, max_field: str, max_samples: i
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > MAX_STOP_SEQUENCES or any(not s for s in stop):  # their length: the worker's limit
         raise invalid("stop", f"must be up to {MAX_STOP_SEQUENCES} non-empty strings")
+    for i, s in enumerate(stop):
+        check_text("stop" if isinstance(req.stop, str) else f"stop[{i}]", s)
     if req.seed is not None and not -(2**63) <= req.seed < 2**64:
         raise invalid("seed", "must fit in 64 bits")
     if req.stream_options is not None and not req.stream:
@@ -218,7 +231,7 @@ def _validate(model: type[BaseModel], body: Any):
     try:
         return model.model_validate(clean)
     except PydanticValidationError as exc:
-        first = exc.errors()[0]
+        first = first_error(exc)
         loc = [str(p) for p in first.get("loc", ()) if not _is_union_tag(str(p))]
         param = loc[0] if loc else "body"
         for part in loc[1:]:
@@ -239,6 +252,31 @@ def _same(value: Any, off: Any) -> bool:
                                                           and not isinstance(value, bool) and value == off)
 
 
+def check_text(param: str, text: str) -> str:
+    """``text``, if it is valid Unicode: JSON's ``\\ud800`` escapes can make a lone surrogate, which no tokenizer
+    takes (400 naming the field and the position)."""
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise invalid(param, f"holds a lone surrogate ({text[exc.start]!r} at position {exc.start}), which is "
+                                 "not valid Unicode text") from None
+    return text
+
+
+class _ShortRepr(reprlib.Repr):
+    """reprlib's bounded repr (a few items of a list, a few levels deep), and integers too long to print as
+    their size."""
+
+    def repr_int(self, x: int, level: int) -> str:
+        return describe_int(x)
+
+
+_SHORT = _ShortRepr()
+_SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxdict, _SHORT.maxstring, _SHORT.maxother = 3, 6, 4, 50, 50
+
+
 def _short(value: Any) -> str:
-    text = repr(value)
+    """A short description of a sent value: never longer than 60 characters, and cheap for a huge one."""
+    text = _SHORT.repr(value)
     return text if len(text) <= 60 else text[:57] + "..."

@@ -19,6 +19,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from starlette.requests import Request
@@ -53,10 +54,17 @@ def error_response(exc: WorkerError) -> JSONResponse:
     return JSONResponse(error_body(exc), status_code=exc.status, headers=headers)
 
 
-async def read_json(request: Request, limit: int) -> Any:
-    """The JSON body, sent as ``application/json`` (as the openai client does: see browser_safety.py)."""
+async def read_request(request: Request, limits, parse: Callable[[Any], Generation]) -> Generation:
+    """The JSON body, sent as ``application/json`` (as the openai client does: see browser_safety.py), within
+    ``--max-json-body-bytes``, checked by ``parse``. A large body is parsed, checked and let go of in a worker thread
+    (within the parse budget), so its objects are neither built nor freed on the event loop."""
     require_media_type(request, (JSON,), f"the body of {request.url.path.removeprefix(PREFIX)}")
-    return (await bodies.read_json(request, limit))[0]
+    limit = bodies.json_limit(limits)
+    raw = await bodies.read_body(request, limit)
+    if len(raw) <= bodies.BIG_BODY_BYTES:
+        return parse(bodies.parse_json(raw, None, limit))
+    async with bodies.parsing(request, await asyncio.to_thread(bodies.parse_cost, raw, limit)):
+        return await asyncio.to_thread(lambda: parse(bodies.parse_json(raw)))
 
 
 # --- models -----------------------------------------------------------------------------------------
@@ -76,12 +84,12 @@ def _model_entries(gen: Generator, tenant: str) -> list[dict]:
 
 
 async def list_models(gen: Generator, request: Request, tenant: str):
-    return {"object": "list", "data": _model_entries(gen, tenant)}
+    return {"object": "list", "data": await asyncio.to_thread(_model_entries, gen, tenant)}
 
 
 async def get_model(gen: Generator, request: Request, tenant: str):
     model = request.path_params["model"]
-    for entry in _model_entries(gen, tenant):
+    for entry in await asyncio.to_thread(_model_entries, gen, tenant):
         if entry["id"] == model:
             return entry
     raise WorkerError(404, "model_not_found", f"model: {model!r} does not exist here", "model")
@@ -92,8 +100,8 @@ async def get_model(gen: Generator, request: Request, tenant: str):
 
 async def chat_completions(gen: Generator, request: Request, tenant: str):
     limits = gen.service.limits
-    req = parse_chat(await read_json(request, limits.max_body_bytes), limits.max_num_samples,
-                     limits.max_sample_tokens)
+    req = await read_request(request, limits, lambda body: parse_chat(body, limits.max_num_samples,
+                                                                      limits.max_sample_tokens))
     sampler_id, host = await gen.resolve(req.model, tenant)
     prompt = render.render_chat(host.tokenizer, req.messages)
     jobs = gen.submit_all(sampler_id, host, [prompt], req, tenant, "messages")
@@ -118,8 +126,8 @@ async def chat_completions(gen: Generator, request: Request, tenant: str):
 
 async def completions(gen: Generator, request: Request, tenant: str):
     limits = gen.service.limits
-    req = parse_completion(await read_json(request, limits.max_body_bytes), limits.max_num_samples,
-                           limits.max_sample_tokens)
+    req = await read_request(request, limits, lambda body: parse_completion(body, limits.max_num_samples,
+                                                                            limits.max_sample_tokens))
     sampler_id, host = await gen.resolve(req.model, tenant)
     prompts = [render.encode_prompt(host.tokenizer, p) for p in req.prompts]
     jobs = gen.submit_all(sampler_id, host, prompts, req, tenant, "prompt")

@@ -20,7 +20,8 @@ from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
 
-from server_mock.api.tinker.endpoint import PROTOBUF, field, read_json
+from server_mock.api.tinker import schemas
+from server_mock.api.tinker.endpoint import PROTOBUF, read
 from server_mock.api.tinker.paths import tinker_message
 from server_mock.api.tinker.proto.decode import ProtoError
 from server_mock.engine.queue import SERVER_ERROR_CODES
@@ -130,8 +131,8 @@ def _consume_exception(task: asyncio.Task) -> None:
 
 
 async def retrieve_future(state, request: Request, tenant: str):
-    body = await read_json(request, state.body_limit)
-    request_id = field(body, "request_id", str)
+    body, _ = await read(request, schemas.RetrieveFuture, state.json_limit)
+    request_id = body.request_id
     future = state.futures.get(request_id, tenant)
     if future is None:
         raise WorkerError(404, "request_not_found", f"request_id: unknown request {request_id!r} "
