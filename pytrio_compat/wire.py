@@ -74,7 +74,7 @@ class RequestStatus(WireModel):
 
 class LoraSpec(WireModel):
     rank: int = 32
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # torch.manual_seed's range
     train_mlp: bool = True
     train_attn: bool = True
     train_unembed: bool = True

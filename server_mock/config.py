@@ -53,6 +53,11 @@ class Limits:
     max_adapter_bytes_total: int = setting(0, "memory the training runs of all keys may hold together; 0: half of "
                                               "the device's memory (the GPU's, or RAM on the CPU)", minimum=0,
                                            why="0 is the default")
+    # requests of different tenants decoded as one batch would let each see the other's traffic (batch_requests,
+    # timings, the last bits of seeded logprobs); batching them is faster when many tenants sample one base model
+    batch_across_tenants: bool = setting(False, "decode sample requests of different API keys for the same weights "
+                                                "as one batch: more throughput when many keys sample a base model, "
+                                                "but each then sees the others' traffic in its answers")
     max_result_bytes: int = setting(1 << 30, "bytes of finished results (native requests, Tinker futures) kept for "
                                              "polling per API key; past it its oldest are dropped", minimum=1,
                                     why="a budget of bytes")

@@ -46,14 +46,19 @@ class Checkpoints:
                                 has_optimizer=meta.get("has_optimizer", False))
 
     def list(self, tenant: str, training_run_id: str | None) -> CheckpointList:
-        entries = []
-        for ref, meta, size in self.store.list(training_run_id):
+        return CheckpointList(checkpoints=[entry for entry, _ in self.entries(tenant, training_run_id)])
+
+    def entries(self, tenant: str, training_run_id: str | None) -> list[tuple[CheckpointEntry, dict]]:
+        """This tenant's checkpoints (of one run, or all its runs), each with its metadata; reads only the folders
+        of the tenant's own runs."""
+        out = []
+        for ref, meta, size in self.store.list(training_run_id, tenant=tenant):
             if meta.get("tenant", "") != tenant:
                 continue
-            entries.append(CheckpointEntry(checkpoint_id=hashlib.sha256(ref.path.encode()).hexdigest()[:16],
-                                           kind=ref.kind, path=ref.path, created_at=meta.get("created_at", 0.0),
-                                           size_bytes=size))
-        return CheckpointList(checkpoints=entries)
+            entry = CheckpointEntry(checkpoint_id=hashlib.sha256(ref.path.encode()).hexdigest()[:16], kind=ref.kind,
+                                    path=ref.path, created_at=meta.get("created_at", 0.0), size_bytes=size)
+            out.append((entry, meta))
+        return out
 
     def delete(self, path_or_id: str, tenant: str) -> None:
         if not path_or_id.startswith("trio://"):

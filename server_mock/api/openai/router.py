@@ -75,11 +75,10 @@ def _model_entries(gen: Generator, tenant: str) -> list[dict]:
     started = int(service.started)
     data = [{"id": name, "object": "model", "created": started, "owned_by": "worker", "root": name, "parent": None}
             for name in gen.served_models()]
-    for entry in service.checkpoints.list(tenant, None).checkpoints:
+    for entry, meta in service.checkpoints.entries(tenant, None):  # in a worker thread: it reads the disk
         if entry.kind == "sampler":
-            base = service.checkpoints.config(entry.path, tenant).base_model
             data.append({"id": entry.path, "object": "model", "created": int(entry.created_at), "owned_by": "you",
-                         "root": entry.path, "parent": base})
+                         "root": entry.path, "parent": meta.get("base_model")})
     return data
 
 
