@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 # Models that are on the wire as they are in the public API: the worker takes them from here, so this
 # module is the whole of what it shares with the client.
-from .types.bounds import MAX_ITEMS, MAX_KEYS, MAX_TOKENS, bounded_dict, bounded_list
+from .types.bounds import MAX_ITEMS, MAX_KEYS, MAX_TOKENS, bounded_dict, bounded_list  # noqa: F401
 from .types.params import AdamParams
 from .types.responses import GetServerCapabilitiesResponse, ModelOperationCapabilities, SupportedModel  # noqa: F401
 from .types.tensor import WireTensor

@@ -121,29 +121,48 @@ async def parsing(request: Request, size: int) -> AsyncIterator[None]:
         yield
 
 
-async def read_body(request: Request, limit: BodyLimit, *, allow_zstd: bool = False) -> bytes:
+async def read_body(request: Request, limit: BodyLimit, *, allow_zstd: bool = False) -> bytes | bytearray:
     """The body's bytes, at most ``limit.size`` of them (413 naming the limit). With ``allow_zstd``, a body sent
     with ``Content-Encoding: zstd`` is decompressed: the limit applies to what it decompresses to, and that may
     be at most ``limit.zstd_ratio`` times the compressed size (beyond ``ZSTD_FLOOR_BYTES``)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit.size:
         raise _too_large(limit, declared)
-    chunks = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit.size:
-            raise _too_large(limit)
-        chunks.append(chunk)
-    if len(chunks) == 1:
-        raw = chunks[0]
+    if declared is not None and declared.isdigit() and int(declared) > BIG_BODY_BYTES:
+        raw = await _read_into(request, int(declared), limit)  # one copy of a large body, not its chunks and a join
     else:
-        raw = await asyncio.to_thread(b"".join, chunks) if size > BIG_BODY_BYTES else b"".join(chunks)
+        chunks = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit.size:
+                raise _too_large(limit)
+            chunks.append(chunk)
+        if len(chunks) == 1:
+            raw = chunks[0]
+        else:
+            raw = await asyncio.to_thread(b"".join, chunks) if size > BIG_BODY_BYTES else b"".join(chunks)
     if allow_zstd and request.headers.get("content-encoding", "").lower() == "zstd":
         cap = min(limit.size, max(ZSTD_FLOOR_BYTES, limit.zstd_ratio * len(raw)))
         async with parsing(request, cap):
             raw = await asyncio.to_thread(_unzstd, raw, limit, cap)
     return raw
+
+
+async def _read_into(request: Request, declared: int, limit: BodyLimit) -> bytearray:
+    """A body of ``declared`` bytes, read into one buffer of that size (the server has checked the length)."""
+    buffer = bytearray(declared)
+    size = 0
+    async for chunk in request.stream():
+        end = size + len(chunk)
+        if end > declared:  # more than announced: the HTTP layer does not allow it, but never write past the end
+            raise _too_large(limit) if end > limit.size else WorkerError(
+                400, "invalid_body", "body: longer than its Content-Length", "body")
+        buffer[size:end] = chunk
+        size = end
+    if size < declared:
+        del buffer[size:]
+    return buffer
 
 
 def _unzstd(raw: bytes, limit: BodyLimit, cap: int) -> bytes:

@@ -2,7 +2,8 @@
 Tinker's ``optim_step`` takes them), global-norm clipping with ``torch.nn.utils``, and the optimizer's state
 saved and loaded under names independent of the adapter's, so a checkpoint resumes into any new run.
 
-What is ours: refusing a non-finite gradient before anything changes, ``grad_norm`` reported before clipping,
+What is ours: refusing a non-finite gradient, or a step that would make weights non-finite or too large for the
+forward pass, before anything changes, ``grad_norm`` reported before clipping,
 and the portable state names (``exp_avg::<param>``, ``exp_avg_sq::<param>``, ``step::<param>``, ``optim_steps``).
 As in torch, a parameter without a gradient is skipped: no decay, no moment update, and its own step count
 (which drives the bias correction) does not advance.
@@ -40,9 +41,11 @@ def optim_step(adapter: Adapter, adam: AdamParams) -> dict[str, float]:
     with_grad = [p for p in adapter.params.values() if p.grad is not None]
     blown = _first_non_finite(adapter, adam, norm)
     if blown is not None:
-        raise WorkerError(422, "non_finite_update", f"adam_params.learning_rate: this step would make the weights "
-                                                    f"non-finite (first {blown}); nothing applied: use a smaller "
-                                                    "learning_rate or weight_decay", "adam_params.learning_rate")
+        raise WorkerError(422, "non_finite_update", f"adam_params.learning_rate: this step would make weights "
+                                                    f"non-finite or larger than {MAX_WEIGHT:g}, which the forward "
+                                                    f"pass overflows on (first {blown}); nothing applied: use a "
+                                                    "smaller learning_rate or weight_decay",
+                          "adam_params.learning_rate")
     if adam.grad_clip_norm > 0 and with_grad:
         torch.nn.utils.clip_grads_with_norm_(with_grad, adam.grad_clip_norm, norm)
     optimizer = adapter.optimizer
@@ -56,16 +59,19 @@ def optim_step(adapter: Adapter, adam: AdamParams) -> dict[str, float]:
     return {"grad_norm": grad_norm, "learning_rate": adam.learning_rate, "step": float(adapter.optim_steps)}
 
 
-SAFE_MAGNITUDE = 1e37  # well inside float32 (3.4e38): a weight that could pass it is checked exactly
+# The largest weight a step may leave: a LoRA's output multiplies two of its weights (B A x), and float32
+# overflows at 3.4e38, so weights much past 1e16 make logits infinite (real LoRA weights are O(1)).
+MAX_WEIGHT = 1e16
 
 
 def _first_non_finite(adapter: Adapter, adam: AdamParams, norm: torch.Tensor) -> str | None:
-    """The first parameter (by name) that this step would make non-finite, or None; nothing is changed.
+    """The first parameter (by name) that this step would make non-finite or larger than ``MAX_WEIGHT``, or None;
+    nothing is changed.
 
     AdamW moves a weight ``p`` to ``p (1 - lr wd) - lr / (1 - b1^t) * m' / (sqrt(v') / sqrt(1 - b2^t) + eps)``.
     Since the denominator is at least ``eps``, ``|p| |1 - lr wd| + lr / (1 - b1^t) * max|m'| / eps`` bounds the
     result, and ``max|m'| <= b1 max|m| + (1 - b1) max|g|``: three maxima per parameter, no copies. Only a
-    parameter whose bound is not safely finite is stepped for real, on a copy of it and its state, by
+    parameter whose bound passes ``MAX_WEIGHT`` is stepped for real, on a copy of it and its state, by
     ``torch.optim.AdamW`` itself (so the verdict is the optimizer's own arithmetic)."""
     scale = 1.0
     if adam.grad_clip_norm > 0:
@@ -83,7 +89,7 @@ def _first_non_finite(adapter: Adapter, adam: AdamParams, norm: torch.Tensor) ->
                      + adam.learning_rate / (1 - adam.beta1 ** step) * m_next / adam.eps)
         except (OverflowError, ZeroDivisionError):
             bound = math.inf
-        if bound < SAFE_MAGNITUDE:
+        if bound <= MAX_WEIGHT:
             continue
         if not _stays_finite(param, entry, adam, norm):
             return name
@@ -95,7 +101,8 @@ def _max_abs(tensor: torch.Tensor) -> float:
 
 
 def _stays_finite(param: nn.Parameter, entry: dict, adam: AdamParams, norm: torch.Tensor) -> bool:
-    """One AdamW step of a copy of ``param`` (its gradient clipped as the real step clips it) and its state."""
+    """Whether one AdamW step of a copy of ``param`` (its gradient clipped as the real step clips it) and of its
+    state leaves every weight finite and within ``MAX_WEIGHT``."""
     copy = nn.Parameter(param.detach().clone())
     copy.grad = param.grad.detach().clone()
     if adam.grad_clip_norm > 0:
@@ -105,7 +112,7 @@ def _stays_finite(param: nn.Parameter, entry: dict, adam: AdamParams, norm: torc
     if entry:
         trial.state[copy] = {key: value.clone() for key, value in entry.items()}
     trial.step()
-    return bool(torch.isfinite(copy).all())
+    return bool(torch.isfinite(copy).all()) and _max_abs(copy) <= MAX_WEIGHT
 
 
 def optimizer_state(adapter: Adapter) -> dict[str, torch.Tensor]:

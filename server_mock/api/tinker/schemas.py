@@ -16,8 +16,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
 from pydantic import ValidationError as PydanticValidationError
 
-from pytrio_compat.types.bounds import MAX_ITEMS, MAX_TOKENS, bounded_list
-from pytrio_compat.wire import AdamParams
+from pytrio_compat.wire import MAX_ITEMS, MAX_TOKENS, AdamParams, bounded_list
 from server_mock.api.bodies import BodyLimit, check_values, first_error
 from server_mock.errors import WorkerError, bad_request
 

@@ -1,0 +1,154 @@
+"""Bodies built to make the worker spend: millions of wrongly typed list items (one validation error each),
+values dense enough that parsing holds 30x their bytes, protobuf bodies of empty messages, zstd bodies that expand
+12000-fold. On every protocol each is refused with a 4xx in under a second, the worker's memory grows by less
+than 200 MiB, and another tenant's health check keeps answering within a second (before these bounds, a 0.9 MiB
+body stalled every tenant for 2-5 s and an 8 MiB one could kill or wedge the worker). Run with -s for the
+figures quoted in docs/reliability.md."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import time
+
+import httpx
+import pytest
+import zstandard
+from support import running_worker
+
+from server_mock.api.tinker.proto import tinker_wire_pb2 as pb
+
+from .reliability_helpers import KEY_A, KEY_B, Watch
+
+MIB = 1 << 20
+JSON_LIMIT = 4 * MIB  # --max-json-body-bytes, default
+VALUE_LIMIT = 1 << 20  # --max-json-values, default
+JSON = {"Content-Type": "application/json"}
+
+
+def items(item: str, count: int) -> str:
+    return "[" + ",".join([item] * count) + "]"
+
+
+@pytest.fixture(scope="module")
+def bomb_worker(tiny_model_dir, tmp_path_factory):
+    with running_worker(tiny_model_dir, tmp_path_factory.mktemp("bombs"), api_keys=[KEY_A, KEY_B]) as proc:
+        yield proc
+
+
+def _targets(base: str) -> dict:
+    with httpx.Client(base_url=base, timeout=60) as http:
+        native = {"Authorization": f"Bearer {KEY_A}"}
+        sampler = http.post("/v1/samplers", json={"base_model": "tiny"}, headers=native).json()["sampler_id"]
+        run = http.post("/v1/training_runs", json={"base_model": "tiny", "lora": {"rank": 2}},
+                        headers=native).json()["training_run_id"]
+        tinker = {"X-API-Key": KEY_A}
+        session = http.post("/api/v1/create_session", json={"tags": []}, headers=tinker).json()["session_id"]
+        sampling = http.post("/api/v1/create_sampling_session", headers=tinker, json={
+            "session_id": session, "sampling_session_seq_id": 0, "base_model": "tiny"}).json()["sampling_session_id"]
+    return {"sampler": sampler, "run": run, "sampling_session": sampling}
+
+
+def _bombs(ids: dict) -> list[tuple[str, str, dict, bytes]]:
+    """(label, path, headers, body): each body at or near its route's limit."""
+    native = {"Authorization": f"Bearer {KEY_A}", **JSON}
+    openai = {"Authorization": f"Bearer {KEY_A}", **JSON}
+    tinker = {"X-API-Key": KEY_A, **JSON}
+    under = VALUE_LIMIT - 1000  # a count of items just under the value bound: these bodies get parsed
+    sample = f"/v1/samplers/{ids['sampler']}/sample"
+    params = '"sampling_params": {"max_tokens": 2}'
+    empty_datums = bytes([pb.ForwardBackwardRequest.DESCRIPTOR.fields_by_name["data"].number << 3 | 2, 0])
+    zstd_body = zstandard.ZstdCompressor(level=19).compress(b'{"tags": [' + b"0," * (32 * MIB - 1) + b"0]}")
+    return [
+        ("native sample: wrongly typed prompt_tokens, parsed", sample, native,
+         f'{{"prompt_tokens": {items(chr(34) + "a" + chr(34), under)}, {params}}}'.encode()),
+        ("native sample: dense prompt_tokens at the JSON limit", sample, native,
+         f'{{"prompt_tokens": {items("1", JSON_LIMIT // 2 - 100)}, {params}}}'.encode()),
+        ("native op: wrongly typed data, 60 MiB", f"/v1/training_runs/{ids['run']}/ops", native,
+         f'{{"seq_id": 1, "payload": {{"op": "forward", "data": {items("[]", 20 * MIB)}}}}}'.encode()),
+        ("native op: wrongly typed loss_fn_inputs, parsed", f"/v1/training_runs/{ids['run']}/ops", native,
+         json.dumps({"seq_id": 1, "payload": {"op": "forward", "data": [{
+             "tokens": {"dtype": "int64", "shape": [1], "b64": "AQAAAAAAAAA="},
+             "loss_fn_inputs": {f"k{i}": 1 for i in range(under)}}]}}).encode()),
+        ("openai chat: [] as messages, at the JSON limit", "/api/openai/v1/chat/completions", openai,
+         f'{{"model": "tiny", "messages": {items("[]", JSON_LIMIT // 3 - 100)}}}'.encode()),
+        ("openai chat: numbers as messages, parsed", "/api/openai/v1/chat/completions", openai,
+         f'{{"model": "tiny", "messages": {items("1", under)}}}'.encode()),
+        ("openai completions: empty prompts, parsed", "/api/openai/v1/completions", openai,
+         f'{{"model": "tiny", "prompt": {items("[]", under // 2)}}}'.encode()),
+        ("tinker asample: wrongly typed tokens, parsed", "/api/v1/asample", tinker,
+         (f'{{"sampling_session_id": "{ids["sampling_session"]}", "prompt": {{"chunks": [{{"tokens": '
+          f'{items(chr(34) + "a" + chr(34), under)}}}]}}, {params}}}').encode()),
+        ("tinker forward_backward: 32 MiB of empty datums", "/api/v1/forward_backward",
+         {"X-API-Key": KEY_A, "Content-Type": "application/x-protobuf"}, empty_datums * (16 * MIB)),
+        (f"tinker create_session: {len(zstd_body)} B of zstd, 64 MiB of JSON", "/api/v1/create_session",
+         {**tinker, "Content-Encoding": "zstd"}, zstd_body),
+    ]
+
+
+def test_bomb_bodies_are_refused_fast_on_every_protocol(bomb_worker):
+    base = bomb_worker.base_url
+    ids = _targets(base)
+    figures = []
+    with httpx.Client(base_url=base, timeout=120) as http:
+        for label, path, headers, body in _bombs(ids):
+            with Watch(bomb_worker.process.pid, f"{base}/v1/health") as watch:
+                started = time.perf_counter()
+                r = http.post(path, content=body, headers=headers)
+                elapsed = time.perf_counter() - started
+                time.sleep(0.1)  # what the worker frees after answering is part of the cost
+            figures.append(f"{label}: {len(body) / MIB:.1f} MiB -> {r.status_code} in {elapsed:.2f} s, "
+                           f"+{watch.peak_growth / MIB:.0f} MiB, other tenant's health max {watch.health_max:.3f} s")
+            assert 400 <= r.status_code < 500, (label, r.status_code, r.text[:300])
+            assert elapsed < 1.0, figures[-1]
+            assert watch.peak_growth < 200 * MIB, figures[-1]
+            assert watch.health_max < 1.0, figures[-1]
+    print("\n" + "\n".join(figures))
+    assert httpx.get(base + "/v1/health").json()["status"] == "ok"
+
+
+def test_refusals_name_the_limit(bomb_worker):
+    """Each bound answers with its own limit's name, and a body just inside the bounds is served."""
+    base = bomb_worker.base_url
+    ids = _targets(base)
+    headers = {"Authorization": f"Bearer {KEY_A}", **JSON}
+    sample = f"/v1/samplers/{ids['sampler']}/sample"
+    with httpx.Client(base_url=base, timeout=60, headers=headers) as http:
+        too_big = http.post(sample, content=b" " * (JSON_LIMIT + 1))
+        assert too_big.status_code == 413 and "max_json_body_bytes=4194304" in too_big.text, too_big.text
+        dense = f'{{"prompt_tokens": {items("1", VALUE_LIMIT + 1)}}}'.encode()  # over the value count, not in bytes
+        r = http.post(f"/v1/training_runs/{ids['run']}/ops", content=dense)
+        assert r.status_code == 413 and "max_json_values=1048576" in r.text, r.text
+        wrong = http.post(sample, content=f'{{"prompt_tokens": {items(chr(34) + "a" + chr(34), 1000)}}}'.encode())
+        assert wrong.status_code == 422 and wrong.json()["error"]["field"] == "prompt_tokens.0", wrong.text
+        ok = http.post(sample, json={"prompt_tokens": [1, 2, 3], "sampling_params": {"max_tokens": 2}})
+        assert ok.status_code == 200, ok.text
+    tinker = {"X-API-Key": KEY_A, **JSON, "Content-Encoding": "zstd"}
+    small = zstandard.ZstdCompressor().compress(json.dumps({"tags": ["x"] * 1000}).encode())  # within the ratio
+    assert httpx.post(base + "/api/v1/create_session", content=small, headers=tinker).status_code == 200
+    bomb = zstandard.ZstdCompressor(level=19).compress(b'{"tags": [' + b'"x",' * (600_000) + b'"x"]}')
+    r = httpx.post(base + "/api/v1/create_session", content=bomb, headers=tinker)
+    assert r.status_code == 413 and "max_zstd_ratio=100" in r.text, r.text
+
+
+def test_three_amplified_bodies_at_once_stay_within_the_parse_budget(tiny_model_dir, tmp_path):
+    """Three bodies of 2 million numbers each, sent at once (zstd, 1/300 of their size on the wire): a parse holds
+    ~120 MiB for each, and the parse budget lets one run at a time, so the worker's memory grows by less than
+    200 MiB and all three are served."""
+    budget = 150 * MIB
+    extra = ("--max-json-body-bytes", str(24 * MIB), "--max-json-values", str(4 * VALUE_LIMIT),
+             "--max-zstd-ratio", "100000", "--max-parsing-bytes", str(budget))
+    body = b'{"tags": [' + b"1000000," * (2_000_000 - 1) + b'1000000], "type": "create_session"}'
+    wire = zstandard.ZstdCompressor(level=3).compress(body)
+    headers = {"X-API-Key": KEY_A, **JSON, "Content-Encoding": "zstd"}
+    with running_worker(tiny_model_dir, tmp_path, *extra, api_keys=[KEY_A, KEY_B]) as proc:
+        with Watch(proc.process.pid, proc.base_url + "/v1/health") as watch:
+            with concurrent.futures.ThreadPoolExecutor(3) as pool:
+                answers = list(pool.map(lambda _: httpx.post(proc.base_url + "/api/v1/create_session", content=wire,
+                                                             headers=headers, timeout=120), range(3)))
+            time.sleep(0.2)
+    print(f"\nthree {len(body) / MIB:.0f} MiB bodies ({len(wire) / 1024:.0f} KiB each on the wire) at once: "
+          f"{[a.status_code for a in answers]}, +{watch.peak_growth / MIB:.0f} MiB, health max "
+          f"{watch.health_max:.3f} s")
+    assert [a.status_code for a in answers] == [200, 200, 200], [a.text[:200] for a in answers]
+    assert watch.peak_growth < 200 * MIB
