@@ -15,6 +15,9 @@ from server_mock.config import Connections, Limits, TrainOptions, add_flags, fro
 
 FILES_RESERVED = 128  # open files the worker keeps for itself (models, checkpoints, pipes) beside connections
 
+TEXT_TINY_ARCHS = ("qwen2", "llama")
+VISION_TINY_ARCHS = ("qwen3_5", "qwen3_vl", "qwen2_5_vl", "gemma3", "llava")  # engine.tiny_vlm.TINY_VLM_FAMILIES
+
 
 def _parse_model(value: str) -> tuple[str, str]:
     name, sep, source = value.partition("=")
@@ -89,7 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="INFO")
     tiny = sub.add_parser("make-tiny-model", help="write a random tiny causal LM + tokenizer for smoke tests")
     tiny.add_argument("directory")
-    tiny.add_argument("--arch", default="qwen2", choices=["qwen2", "llama"])
+    tiny.add_argument("--arch", choices=[*TEXT_TINY_ARCHS, *VISION_TINY_ARCHS],
+                      help=f"the family: {', '.join(TEXT_TINY_ARCHS)} (default {TEXT_TINY_ARCHS[0]}), or with --vision "
+                           f"{', '.join(VISION_TINY_ARCHS)} (default {VISION_TINY_ARCHS[0]})")
+    tiny.add_argument("--vision", action="store_true",
+                      help="a vision-language model: its tokenizer has the image tokens, its image processor is saved "
+                           "beside it")
     tiny.add_argument("--seed", type=int, default=0)
     return parser
 
@@ -194,14 +202,7 @@ def serve(args: argparse.Namespace) -> None:
         logging.getLogger("server_mock").warning("fault injection is ON (PYTRIO_WORKER_FAULT_INJECTION): requests "
                                                  "may ask to fail on purpose; never use this in production")
     app = create_app(service, keys, bind_host=args.host, allowed_hosts=args.allowed_host)
-    # proto=IPPROTO_TCP (not 0) so that asyncio sets TCP_NODELAY on every accepted connection, and the
-    # listener has it too: otherwise Nagle holds each response body until the client's delayed ACK (~40 ms)
-    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM,
-                         socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.bind((args.host, args.port))
-    sock.listen(2048)
+    sock = listening_socket(args.host, args.port)
     port = sock.getsockname()[1]
     from server_mock.connections import ConnectionGuard, guarded_protocol
 
@@ -238,6 +239,18 @@ def _room_for_connections(wanted: int) -> int:
     return fit
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The worker's listening socket. proto=IPPROTO_TCP (not 0) so that asyncio sets TCP_NODELAY on every accepted
+    connection, and the listener has it too: otherwise Nagle holds each response body until the client's delayed
+    ACK (~40 ms)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    return sock
+
+
 def _join_cluster(args: argparse.Namespace):
     """The Ray cluster the models run on; exits naming the problem when it is unreachable or too small."""
     try:
@@ -261,7 +274,18 @@ def main(argv: list[str] | None = None) -> None:
     else:
         from server_mock.engine.tiny_model import make_tiny_model
 
-        path = make_tiny_model(args.directory, arch=args.arch, seed=args.seed)
+        allowed = VISION_TINY_ARCHS if args.vision else TEXT_TINY_ARCHS
+        if args.arch is not None and args.arch not in allowed:
+            sys.exit(f"--arch {args.arch}: " + (f"with --vision, one of {', '.join(allowed)}" if args.vision
+                                                else f"a vision-language family: pass --vision (text: "
+                                                     f"{', '.join(allowed)})"))
+        if args.vision:
+            from server_mock.engine.tiny_vlm import make_tiny_vlm
+
+            path = make_tiny_vlm(args.directory, arch=args.arch or VISION_TINY_ARCHS[0], seed=args.seed)
+            print(f"wrote a tiny random vision-language model, tokenizer and image processor to {path}")
+            return
+        path = make_tiny_model(args.directory, arch=args.arch or TEXT_TINY_ARCHS[0], seed=args.seed)
         print(f"wrote a tiny random model and tokenizer to {path}")
 
 

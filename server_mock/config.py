@@ -67,6 +67,13 @@ class Limits:
     max_stop_string_bytes: int = setting(256, "UTF-8 bytes of one stop string")
     # checked per token; clients send a few, or a few hundred (a class of ids)
     max_stop_token_ids: int = setting(1024, "stop token ids per sample request")
+    # images (engine/images.py): the bytes bound what a client may send, the pixels what decoding may allocate
+    # (checked from the file's header before any pixel is decoded), the count how many decodes one request buys
+    max_image_bytes: int = setting(10 * 1024 * 1024, "bytes of one image (PNG or JPEG file)")
+    max_image_pixels: int = setting(4096 * 4096, "width x height of one image, read from its header before decoding "
+                                                 "(a decompression bomb is refused unread)")
+    max_images_per_request: int = setting(256, "image chunks in one sample or forward/backward request, all datums "
+                                               "together (identical images are decoded once)")
 
 
 @dataclass
@@ -104,6 +111,10 @@ class TrainOptions:
     float32_head: bool = setting(True, "compute the output head in the model's dtype (by default it runs in float32 "
                                        "in the sampler and the trainer, which keeps bf16 logprobs of the two sides "
                                        "closer)", flag="--no-float32-head")
+    # an image-text model's vision tower is frozen by default (lora.linear_groups); PEFT adapts its Linear layers too
+    lora_vision_tower: bool = setting(False, "LoRA also covers an image-text model's vision tower and projector (its "
+                                             "attention layers with train_attn, the rest with train_mlp); by default "
+                                             "only the language model is adapted")
     # datums of one call sharing at least this many leading tokens run them once (prefix_sharing.py); 0 = never
     prefix_share_min_tokens: int = setting(PREFIX_SHARE_MIN_TOKENS, "in one forward/backward call, datums sharing at "
                                            "least N leading tokens (a GRPO group's prompt) run them once; the results "

@@ -14,7 +14,7 @@ import torch
 
 from pytrio_compat.wire import AdamParams, LoraSpec
 from server_mock.config import TrainOptions
-from server_mock.lora import Layer, Snapshot
+from server_mock.lora import Layer, Snapshot, lora_config, model_layout, peft_adapter_config
 
 
 class ModelHost(Protocol):
@@ -25,6 +25,8 @@ class ModelHost(Protocol):
     source_dir: str  # the folder the model was loaded from
     vocab_size: int
     max_seq_len: int | None
+    vision: Any  # engine.vision.ImageProcessing of an image-text model; None for a text-only one
+    vision_refusal: str | None  # why an image-text model takes no images (None: it takes them)
 
     @property
     def model_type(self) -> str:
@@ -68,6 +70,33 @@ class ModelHost(Protocol):
 
     def sample_batch(self, snapshot: Snapshot | None, specs: list, timings: dict[str, float]) -> list:
         """Generate for every ``SampleSpec`` as one batch with the snapshot's weights (None: the base model)."""
+
+
+class ModelFacts:
+    """What both hosts read from the model's module tree alone (the Ray front end holds it on the ``meta`` device):
+    its type, stop ids and LoRA layout. Needs ``name``, ``model``, ``tokenizer`` and ``_linear_groups``
+    (``lora.linear_groups`` of the model before PEFT wraps it)."""
+
+    name: str
+    model: Any
+    tokenizer: Any
+    _linear_groups: dict[str, str]
+
+    @property
+    def model_type(self) -> str:
+        return getattr(self.model.config, "model_type", type(self.model).__name__)
+
+    def stop_token_ids(self) -> list[int]:
+        return default_stop_ids(self.tokenizer, getattr(self.model, "generation_config", None))
+
+    def lora_layout(self) -> dict[str, Layer]:
+        return model_layout(self.model, self._linear_groups)
+
+    def lora_targets(self, spec: LoraSpec) -> tuple[str, ...]:
+        return lora_config(self._linear_groups, spec)[1]
+
+    def peft_adapter_config(self, spec: LoraSpec) -> str:
+        return peft_adapter_config(self.name, self._linear_groups, spec)
 
 
 def default_stop_ids(tokenizer, generation_config) -> list[int]:

@@ -18,7 +18,7 @@ from server_mock.engine.tiny_model import TINY_FAMILIES, make_tiny_model
 
 pytestmark = pytest.mark.timeout(600)
 FAMILIES = [f for f in TINY_FAMILIES if f != "qwen2"]  # qwen2 is the default tiny model of every other test
-TOL = 1e-4
+TOL = 1e-5  # sampler vs trainer logprobs: measured ~1e-6 on every tiny family
 
 
 @pytest.fixture(scope="module")
