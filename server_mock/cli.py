@@ -131,10 +131,10 @@ def read_key_file(path: str) -> list[str]:
 
 def check_limits(limits: Limits) -> str | None:
     """Why these limits cannot be served (a limit past the request shapes' structural bounds), or None."""
-    from pytrio_compat import wire
+    from pytrio_compat.wire import MAX_ITEMS, MAX_TOKENS
 
-    for name, bound in (("max_seq_len", wire.MAX_TOKENS), ("max_stop_strings", wire.MAX_ITEMS),
-                        ("max_stop_token_ids", wire.MAX_ITEMS)):
+    for name, bound in (("max_seq_len", MAX_TOKENS), ("max_stop_strings", MAX_ITEMS),
+                        ("max_stop_token_ids", MAX_ITEMS)):
         if getattr(limits, name) > bound:
             return (f"--{name.replace('_', '-')} must be <= {bound}: request bodies hold at most {bound} items in "
                     "one list (pytrio_compat/types/bounds.py)")

@@ -24,8 +24,10 @@ class Limits:
     max_body_bytes: int = setting(64 * 1024 * 1024, "largest request body that carries tensors (native training "
                                                     "ops, Tinker forward_backward), in bytes")
     max_json_body_bytes: int = setting(4 * 1024 * 1024, "largest request body of every other route (JSON), in bytes")
-    max_json_values: int = setting(1 << 20, "JSON values (numbers, strings, list items, object members) in one "
-                                            "request body: parsing holds ~60 bytes for each, whatever its size")
+    max_json_values: int = setting(1 << 16, "JSON values (numbers, strings, list items, object members) in one "
+                                            "JSON request body (4x that in a body that carries tensors): parsing "
+                                            "holds ~60 bytes and some microseconds for each, whatever its size, "
+                                            "without letting go of the interpreter")
     max_zstd_ratio: int = setting(100, "how many times its compressed size a zstd body (Tinker routes) may expand "
                                        "to, beyond 1 MiB", minimum=1, why="a ratio")
     max_parsing_bytes: int = setting(256 * 1024 * 1024, "request bodies over 1 MiB parsed at once, all requests "

@@ -30,6 +30,7 @@ from server_mock.config import Limits
 from server_mock.errors import WorkerError
 
 BIG_BODY_BYTES = 1 << 20  # bodies above this are joined and parsed off the event loop
+OFF_LOOP_VALUES = 1 << 14  # ... and so are smaller ones with more JSON values than this (each may be an object)
 BYTES_PER_VALUE = 64  # about what a JSON parse allocates per value (pydantic-core's tree; Python's is larger)
 ZSTD_FLOOR_BYTES = 1 << 20  # a zstd body may always expand to this much, whatever its ratio
 MAX_REPORTED_ERRORS = 64  # a ValidationError with more errors than this is not turned into dicts at all
@@ -44,18 +45,23 @@ class BodyLimit:
     name: str
     values: int
     zstd_ratio: int
+    values_name: str = "limit max_json_values"
 
 
 def json_limit(limits: Limits) -> BodyLimit:
     """The limit of a JSON body (every route but those carrying tensors): the smaller of the two size limits."""
     if limits.max_body_bytes < limits.max_json_body_bytes:
-        return tensor_limit(limits)
+        return BodyLimit(limits.max_body_bytes, "max_body_bytes", limits.max_json_values, limits.max_zstd_ratio)
     return BodyLimit(limits.max_json_body_bytes, "max_json_body_bytes", limits.max_json_values, limits.max_zstd_ratio)
+
+
+TENSOR_VALUES_FACTOR = 4  # a body carrying tensors holds ~20 JSON values a datum: 4x a JSON body's count
 
 
 def tensor_limit(limits: Limits) -> BodyLimit:
     """The limit of a body that carries tensors (native training ops, Tinker forward_backward)."""
-    return BodyLimit(limits.max_body_bytes, "max_body_bytes", limits.max_json_values, limits.max_zstd_ratio)
+    return BodyLimit(limits.max_body_bytes, "max_body_bytes", TENSOR_VALUES_FACTOR * limits.max_json_values,
+                     limits.max_zstd_ratio, f"{TENSOR_VALUES_FACTOR} x limit max_json_values")
 
 
 def _too_large(limit: BodyLimit, declared: str | None = None, what: str = "") -> WorkerError:
@@ -121,15 +127,21 @@ async def parsing(request: Request, size: int) -> AsyncIterator[None]:
         yield
 
 
-async def read_body(request: Request, limit: BodyLimit, *, allow_zstd: bool = False) -> bytes | bytearray:
+async def read_body(request: Request, limit: BodyLimit, *, allow_zstd: bool = False, json_values: bool = True
+                    ) -> bytes | bytearray:
     """The body's bytes, at most ``limit.size`` of them (413 naming the limit). With ``allow_zstd``, a body sent
     with ``Content-Encoding: zstd`` is decompressed: the limit applies to what it decompresses to, and that may
-    be at most ``limit.zstd_ratio`` times the compressed size (beyond ``ZSTD_FLOOR_BYTES``)."""
+    be at most ``limit.zstd_ratio`` times the compressed size (beyond ``ZSTD_FLOOR_BYTES``). With ``json_values``
+    (a JSON body), its values are counted as it arrives, and one with more than ``limit.values`` is refused
+    before the rest of it is read."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit.size:
         raise _too_large(limit, declared)
+    compressed = allow_zstd and request.headers.get("content-encoding", "").lower() == "zstd"
+    values = _ValueCount(limit) if json_values and not compressed else None
     if declared is not None and declared.isdigit() and int(declared) > BIG_BODY_BYTES:
-        raw = await _read_into(request, int(declared), limit)  # one copy of a large body, not its chunks and a join
+        # one copy of a large body, not its chunks and a join
+        raw = await _read_into(request, int(declared), limit, values)
     else:
         chunks = []
         size = 0
@@ -137,19 +149,36 @@ async def read_body(request: Request, limit: BodyLimit, *, allow_zstd: bool = Fa
             size += len(chunk)
             if size > limit.size:
                 raise _too_large(limit)
+            if values is not None:
+                values.add(chunk)
             chunks.append(chunk)
         if len(chunks) == 1:
             raw = chunks[0]
         else:
             raw = await asyncio.to_thread(b"".join, chunks) if size > BIG_BODY_BYTES else b"".join(chunks)
-    if allow_zstd and request.headers.get("content-encoding", "").lower() == "zstd":
+    if compressed:
         cap = min(limit.size, max(ZSTD_FLOOR_BYTES, limit.zstd_ratio * len(raw)))
         async with parsing(request, cap):
             raw = await asyncio.to_thread(_unzstd, raw, limit, cap)
     return raw
 
 
-async def _read_into(request: Request, declared: int, limit: BodyLimit) -> bytearray:
+class _ValueCount:
+    """``json_values`` of a body counted chunk by chunk as it arrives; 413 once past the limit."""
+
+    def __init__(self, limit: BodyLimit) -> None:
+        self.limit, self.seen = limit, 1
+
+    def add(self, chunk: bytes) -> None:
+        self.seen += chunk.count(b",") + chunk.count(b"[") + chunk.count(b"{")
+        if self.seen > self.limit.values:
+            raise WorkerError(413, "body_too_large", f"body: holds more than {self.limit.values} JSON values "
+                                                     f"(counted from its commas and brackets; "
+                                                     f"{_values_limit(self.limit)}); refused before the rest was read",
+                              "body")
+
+
+async def _read_into(request: Request, declared: int, limit: BodyLimit, values: _ValueCount | None) -> bytearray:
     """A body of ``declared`` bytes, read into one buffer of that size (the server has checked the length)."""
     buffer = bytearray(declared)
     size = 0
@@ -158,6 +187,8 @@ async def _read_into(request: Request, declared: int, limit: BodyLimit) -> bytea
         if end > declared:  # more than announced: the HTTP layer does not allow it, but never write past the end
             raise _too_large(limit) if end > limit.size else WorkerError(
                 400, "invalid_body", "body: longer than its Content-Length", "body")
+        if values is not None:
+            values.add(chunk)
         buffer[size:end] = chunk
         size = end
     if size < declared:
@@ -184,6 +215,12 @@ def _unzstd(raw: bytes, limit: BodyLimit, cap: int) -> bytes:
     return out
 
 
+def _values_limit(limit: BodyLimit) -> str:
+    if limit.values_name.startswith(f"{TENSOR_VALUES_FACTOR} x"):
+        return f"{limit.values_name}={limit.values // TENSOR_VALUES_FACTOR}"
+    return f"{limit.values_name}={limit.values}"
+
+
 def json_values(raw: bytes) -> int:
     """An upper bound on the JSON values in ``raw``: every value but the first of a list or object follows a comma,
     and every list or object opens with a bracket (a comma or bracket inside a string counts too). Counted with
@@ -198,8 +235,7 @@ def check_values(raw: bytes, limit: BodyLimit) -> int:
     values = json_values(raw)
     if values > limit.values:
         raise WorkerError(413, "body_too_large", f"body: holds more than {limit.values} JSON values (counted from "
-                                                 f"its commas and brackets: {values}; limit max_json_values="
-                                                 f"{limit.values})", "body")
+                                                 f"its commas and brackets: {values}; {_values_limit(limit)})", "body")
     return values
 
 
@@ -220,10 +256,16 @@ async def read_json(request: Request, limit: BodyLimit, *, allow_zstd: bool = Fa
                     ) -> tuple[Any, bytes]:
     """The body parsed as JSON (off the event loop and within the parse budget when large), and its bytes."""
     raw = await read_body(request, limit, allow_zstd=allow_zstd)
-    if len(raw) > BIG_BODY_BYTES:
+    if off_loop(raw):
         async with parsing(request, await asyncio.to_thread(parse_cost, raw, limit)):
             return await asyncio.to_thread(parse_json, raw, empty), raw  # its values were counted by parse_cost
     return parse_json(raw, empty, limit), raw
+
+
+def off_loop(raw: bytes) -> bool:
+    """Whether parsing ``raw`` may take long enough to belong in a worker thread: a large body, or one holding
+    many JSON values (a list of 100000 small objects costs a parser far more than its bytes suggest)."""
+    return len(raw) > BIG_BODY_BYTES or (len(raw) > OFF_LOOP_VALUES and json_values(raw) > OFF_LOOP_VALUES)
 
 
 def parse_cost(raw: bytes, limit: BodyLimit) -> int:
@@ -239,8 +281,13 @@ def first_error(exc: PydanticValidationError) -> dict:
     count = exc.error_count()
     if count > MAX_REPORTED_ERRORS:
         return {"loc": (), "type": "too_many_errors", "msg": f"{count} invalid values", "input": None}
-    errors = exc.errors(include_url=False, include_context=False)
-    return errors[0] if errors else {"loc": (), "type": "invalid", "msg": "invalid", "input": None}
+    # the inputs are made Python objects only when asked for: not when one may be a whole over-long list
+    errors = exc.errors(include_url=False, include_context=False, include_input=False)
+    if not errors:
+        return {"loc": (), "type": "invalid", "msg": "invalid", "input": None}
+    if any(e["type"] in ("too_long", "too_short") for e in errors):
+        return {**errors[0], "input": None}
+    return exc.errors(include_url=False, include_context=False)[0]
 
 
 def dotted(loc: tuple) -> str:
@@ -281,7 +328,7 @@ async def parse_raw(request: Request, model: type[BaseModel], raw: bytes, limit:
     """``raw`` validated into ``model`` by ``parse(model, raw, limit)`` (``parse_body`` by default): in a worker
     thread, within the parse budget, when it is large."""
     parse = parse or parse_body
-    if len(raw) > BIG_BODY_BYTES:
+    if off_loop(raw):
         async with parsing(request, await asyncio.to_thread(parse_cost, raw, limit)):
             return await asyncio.to_thread(parse, model, raw, None)  # its values were counted by parse_cost
     return parse(model, raw, limit)

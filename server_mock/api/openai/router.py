@@ -20,7 +20,6 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
@@ -54,17 +53,18 @@ def error_response(exc: WorkerError) -> JSONResponse:
     return JSONResponse(error_body(exc), status_code=exc.status, headers=headers)
 
 
-async def read_request(request: Request, limits, parse: Callable[[Any], Generation]) -> Generation:
+async def read_request(request: Request, limits, parse: Callable[[bytes], Generation]) -> Generation:
     """The JSON body, sent as ``application/json`` (as the openai client does: see browser_safety.py), within
-    ``--max-json-body-bytes``, checked by ``parse``. A large body is parsed, checked and let go of in a worker thread
-    (within the parse budget), so its objects are neither built nor freed on the event loop."""
+    ``--max-json-body-bytes``, parsed and checked by ``parse`` (from the bytes): in a worker thread, within the
+    parse budget, when large."""
     require_media_type(request, (JSON,), f"the body of {request.url.path.removeprefix(PREFIX)}")
     limit = bodies.json_limit(limits)
     raw = await bodies.read_body(request, limit)
-    if len(raw) <= bodies.BIG_BODY_BYTES:
-        return parse(bodies.parse_json(raw, None, limit))
+    if not bodies.off_loop(raw):
+        bodies.check_values(raw, limit)
+        return parse(raw)
     async with bodies.parsing(request, await asyncio.to_thread(bodies.parse_cost, raw, limit)):
-        return await asyncio.to_thread(lambda: parse(bodies.parse_json(raw)))
+        return await asyncio.to_thread(parse, raw)
 
 
 # --- models -----------------------------------------------------------------------------------------

@@ -80,8 +80,8 @@ def carries_body(request: Request) -> bool:
     return headers.get("content-length", "0").strip() not in ("", "0")
 
 
-async def read_body(request: Request, limit: bodies.BodyLimit) -> bytes:
-    return await bodies.read_body(request, limit, allow_zstd=True)
+async def read_body(request: Request, limit: bodies.BodyLimit, json_values: bool = True) -> bytes:
+    return await bodies.read_body(request, limit, allow_zstd=True, json_values=json_values)
 
 
 async def read(request: Request, model: type[TinkerBody], limit: bodies.BodyLimit) -> tuple[Any, int]:

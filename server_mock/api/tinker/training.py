@@ -30,7 +30,7 @@ from server_mock.service.ops import DATUM_OVERHEAD_BYTES, ForwardBatch, Prepared
 
 # --- forward_backward ---------------------------------------------------------------------------------
 
-PROTO_FIELDS_PER_TOKEN = 4  # a GRPO datum of a few hundred tokens has about 22 fields
+PROTO_FIELDS_PER_TOKEN = 1  # a datum has about 22 fields (chunks, tensors, shapes) and, in RL, hundreds of tokens
 MIN_PROTO_FIELDS = 1 << 16
 
 
@@ -100,7 +100,7 @@ async def forward_result(result: dict) -> bytes:
 
 
 async def forward_backward(state: TinkerState, request: Request, tenant: str):
-    raw = await read_body(request, state.tensor_limit)  # its Content-Type was checked: application/x-protobuf
+    raw = await read_body(request, state.tensor_limit, json_values=False)  # Content-Type: application/x-protobuf
     budget = state.element_budget()
     try:
         async with bodies.parsing(request, len(raw)):
