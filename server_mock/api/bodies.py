@@ -304,8 +304,9 @@ def parse_body(model: type[BaseModel], raw: bytes, limit: BodyLimit | None = Non
         return model.model_validate_json(raw)
     except PydanticValidationError as exc:
         first = first_error(exc)
-        if first.get("type") in ("json_invalid", "json_type"):
-            raise WorkerError(400, "invalid_json", "body: not valid JSON (or not UTF-8)", "body") from None
+        if first.get("type") in ("json_invalid", "json_type"):  # lone surrogate escapes (\ud800) are refused here
+            why = first.get("msg", "").removeprefix("Invalid JSON: ")
+            raise WorkerError(400, "invalid_json", f"body: not valid JSON (or not UTF-8): {why}", "body") from None
         loc = dotted(first.get("loc", ()))
         raise WorkerError(422, "invalid_request_body", f"{loc or 'body'}: {first.get('msg', 'invalid')}",
                           loc or "body") from None

@@ -131,6 +131,7 @@ def test_a_request_must_arrive_whole_within_the_deadline(tiny_model_dir, tmp_pat
         headers_only.sendall(b"GET /v1/health HTTP/1.1\r\nHost: localhost\r\n")  # the blank line never comes
         body_short = socket.create_connection(("127.0.0.1", port))
         body_short.sendall(b"POST /v1/training_runs HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json"
+                           b"\r\nAuthorization: Bearer " + KEY_A.encode() +
                            b"\r\nContent-Length: 100\r\n\r\n{\"base_model\"")  # 13 of 100 bytes
         started = time.monotonic()
         for s in (headers_only, body_short):

@@ -163,14 +163,13 @@ def parse_chat(body: bytes, max_samples: int, max_sample_tokens: int) -> Generat
             raise invalid(f"messages[{i}].role", f"{_short(message.role)} is not supported; use one of "
                                                  f"{', '.join(ROLES)}{tools}")
         if isinstance(message.content, str):
-            text = check_text(f"messages[{i}].content", message.content)
+            text = message.content
         else:
             for j, part in enumerate(message.content):
                 if part.type != "text" or part.text is None:
                     raise invalid(f"messages[{i}].content[{j}]", f"{_short(part.type)} parts are not supported: "
                                   "this worker serves text models (send {\"type\": \"text\", \"text\": ...})",
                                   code="unsupported_parameter")
-                check_text(f"messages[{i}].content[{j}].text", part.text)
             text = "".join(part.text or "" for part in message.content)
         messages.append({"role": message.role, "content": text})
     if req.max_tokens is not None and req.max_completion_tokens is not None \
@@ -198,9 +197,6 @@ def parse_completion(body: bytes, max_samples: int, max_sample_tokens: int) -> G
         prompts = list(prompt)
     if not prompts or any(len(p) == 0 for p in prompts):
         raise invalid("prompt", EMPTY_PROMPT)
-    for i, p in enumerate(prompts):
-        if isinstance(p, str):
-            check_text("prompt" if isinstance(prompt, str) else f"prompt[{i}]", p)
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_COMPLETION_LOGPROBS:
         raise invalid("logprobs", f"must be in [0, {MAX_COMPLETION_LOGPROBS}], got {req.logprobs}")
     gen = _common(req, req.max_tokens, "max_tokens", max_samples, max_sample_tokens, len(prompts),
@@ -230,8 +226,6 @@ def _common(req: _Common, max_tokens: int | None, max_field: str, max_samples: i
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > MAX_STOP_SEQUENCES or any(not s for s in stop):  # their length: the worker's limit
         raise invalid("stop", f"must be up to {MAX_STOP_SEQUENCES} non-empty strings")
-    for i, s in enumerate(stop):
-        check_text("stop" if isinstance(req.stop, str) else f"stop[{i}]", s)
     if req.seed is not None and not -(2**63) <= req.seed < 2**64:
         raise invalid("seed", "must fit in 64 bits")
     if req.stream_options is not None and not req.stream:
@@ -255,8 +249,9 @@ def _validate(model: type[_Common], raw: bytes):
     except PydanticValidationError as exc:
         first = first_error(exc)
         kind = first.get("type")
-        if kind in ("json_invalid", "json_type"):
-            raise invalid("body", "not valid JSON", code="invalid_json") from None
+        if kind in ("json_invalid", "json_type"):  # a lone surrogate escape (\ud800) is refused here too
+            raise invalid("body", f"not valid JSON ({first.get('msg', '').removeprefix('Invalid JSON: ')})",
+                          code="invalid_json") from None
         loc = [str(p) for p in first.get("loc", ()) if not _is_union_tag(str(p))]
         if kind == "model_type" and not loc:
             raise invalid("body", "expected a JSON object", code="invalid_json") from None
@@ -299,18 +294,6 @@ def _is_union_tag(part: str) -> bool:
 def _same(value: Any, off: Any) -> bool:
     return type(value) is type(off) and value == off or (isinstance(off, int) and isinstance(value, (int, float))
                                                           and not isinstance(value, bool) and value == off)
-
-
-def check_text(param: str, text: str) -> str:
-    """``text``, if it is valid Unicode: JSON's ``\\ud800`` escapes can make a lone surrogate, which no tokenizer
-    takes (400 naming the field and the position)."""
-    if not text.isascii():
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise invalid(param, f"holds a lone surrogate ({text[exc.start]!r} at position {exc.start}), which is "
-                                 "not valid Unicode text") from None
-    return text
 
 
 class _ShortRepr(reprlib.Repr):

@@ -202,8 +202,9 @@ def validation_error(exc: PydanticValidationError) -> WorkerError:
     """The first error of a refused body, as a 400 naming its field."""
     first = first_error(exc)
     kind, loc = first.get("type", ""), tuple(first.get("loc", ()))
-    if kind in ("json_invalid", "json_type"):
-        return WorkerError(400, "invalid_json", "body: not valid JSON (or not UTF-8)", "body")
+    if kind in ("json_invalid", "json_type"):  # lone surrogate escapes (\ud800) are refused here too
+        why = first.get("msg", "").removeprefix("Invalid JSON: ")
+        return WorkerError(400, "invalid_json", f"body: not valid JSON (or not UTF-8): {why}", "body")
     where = _where(loc)
     if not where:
         return WorkerError(400, "invalid_json", "body: expected a JSON object", "body")
