@@ -174,3 +174,50 @@ def test_three_amplified_bodies_at_once_stay_within_the_parse_budget(tiny_model_
           f"{watch.health_max:.3f} s")
     assert [a.status_code for a in answers] == [200, 200, 200], [a.text[:200] for a in answers]
     assert watch.peak_growth < 200 * MIB
+
+
+def test_the_parse_budget_serves_in_arrival_order_and_never_more_than_it_holds():
+    import asyncio
+
+    from server_mock.api.bodies import ParseBudget
+
+    async def scenario():
+        budget = ParseBudget(100)
+        order, peak = [], [0]
+
+        async def parse(name: str, size: int, hold: float):
+            async with budget.hold(size):
+                order.append(name)
+                peak[0] = max(peak[0], budget.held)
+                await asyncio.sleep(hold)
+
+        first = asyncio.create_task(parse("a", 60, 0.05))
+        await asyncio.sleep(0)
+        rest = [asyncio.create_task(parse(name, size, 0.01)) for name, size in (("b", 60), ("c", 10), ("huge", 1000))]
+        cancelled = asyncio.create_task(parse("gone", 50, 0))
+        await asyncio.sleep(0)
+        cancelled.cancel()  # a waiter that goes away gives its place up
+        await asyncio.gather(first, *rest)
+        assert order == ["a", "b", "c", "huge"]  # c fitted beside a, but b came first: no overtaking
+        assert peak[0] <= 100 and budget.held == 0 and not budget._waiting
+
+    asyncio.run(scenario())
+
+
+def test_protobuf_fields_are_counted_as_the_runtime_would_parse_them():
+    from server_mock.api.tinker.proto.bounds import TooManyFields, count_fields
+
+    message = pb.ForwardBackwardRequest(model_id="m", seq_id=3, loss_fn="ppo")
+    datum = message.data.add()
+    datum.model_input.add().encoded_text.tokens = b"\x01\x00\x00\x00" * 5
+    tensor = datum.loss_fn_inputs["advantages"]
+    tensor.dtype, tensor.dense = 1, b"\x00" * 20
+    tensor.shape.append(5)
+    raw = message.SerializeToString()
+    # model_id, seq_id, loss_fn, data; in the datum: model_input, its encoded_text, its tokens; the map entry,
+    # its key and value; in the tensor: dense, dtype, shape (packed: one field)
+    assert count_fields(raw, pb.ForwardBackwardRequest.DESCRIPTOR, 1000) == 13
+    with pytest.raises(TooManyFields):
+        count_fields(raw, pb.ForwardBackwardRequest.DESCRIPTOR, 12)
+    assert count_fields(raw[:-3], pb.ForwardBackwardRequest.DESCRIPTOR, 1000) <= 13  # truncated: stops quietly
+    assert count_fields(b"\xff" * 20, pb.ForwardBackwardRequest.DESCRIPTOR, 1000) >= 0
