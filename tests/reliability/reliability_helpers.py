@@ -84,8 +84,9 @@ class Watch:
     """While a block runs: a worker's resident memory, sampled every 5 ms (``peak_growth`` over the start), and
     the latency of another tenant's ``/v1/health``, asked every 20 ms (``health_max``)."""
 
-    def __init__(self, pid: int, health_url: str) -> None:
+    def __init__(self, pid: int, health_url: str, key: str | None = None) -> None:
         self.pid, self.health_url = pid, health_url
+        self.headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.peak_growth = 0
         self.health: list[float] = []
 
@@ -112,7 +113,7 @@ class Watch:
             time.sleep(0.005)
 
     def _ping(self) -> None:
-        with httpx.Client(timeout=30) as http:
+        with httpx.Client(timeout=30, headers=self.headers) as http:
             while not self._stop.is_set():
                 started = time.perf_counter()
                 try:

@@ -103,7 +103,7 @@ def test_bomb_bodies_are_refused_fast_on_every_protocol(bomb_worker):
                 garbage = http.post(path, content=b"x" * len(body), headers=headers)
                 transfer = time.perf_counter() - started
                 assert 400 <= garbage.status_code < 500, garbage.text
-                with Watch(bomb_worker.process.pid, f"{base}/v1/health") as watch:
+                with Watch(bomb_worker.process.pid, f"{base}/v1/health", KEY_B) as watch:
                     started = time.perf_counter()
                     r = http.post(path, content=body, headers=headers)
                     elapsed = time.perf_counter() - started
