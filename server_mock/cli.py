@@ -11,7 +11,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from server_mock.config import Connections, Limits, TrainOptions, add_flags, from_args
+from server_mock.config import Connections, Limits, PytrioOptions, TrainOptions, add_flags, from_args
 
 FILES_RESERVED = 128  # open files the worker keeps for itself (models, checkpoints, pipes) beside connections
 
@@ -75,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(serve.add_argument_group("limits"), Limits)
     add_flags(serve.add_argument_group("connections"), Connections)
     add_flags(serve.add_argument_group("forward/backward"), TrainOptions)
+    add_flags(serve.add_argument_group("PyTRIO protocol (the official pytrio SDK; docs/pytrio.md)"), PytrioOptions)
     ray = serve.add_argument_group("Ray cluster (pip install -e .[worker,cluster]; docs/scaling.md)")
     ray.add_argument("--ray", metavar="auto|ADDRESS",
                      help="run the models on a Ray cluster: auto joins a running one or starts a local one, HOST:PORT "
@@ -180,6 +181,7 @@ def serve(args: argparse.Namespace) -> None:
     try:
         limits, train_options = from_args(Limits, args), from_args(TrainOptions, args)
         connections = from_args(Connections, args)
+        pytrio_options = from_args(PytrioOptions, args)
     except ValueError as exc:
         sys.exit(str(exc))
     problem = check_limits(limits)
@@ -201,7 +203,8 @@ def serve(args: argparse.Namespace) -> None:
     if service.fault_injection:
         logging.getLogger("server_mock").warning("fault injection is ON (PYTRIO_WORKER_FAULT_INJECTION): requests "
                                                  "may ask to fail on purpose; never use this in production")
-    app = create_app(service, keys, bind_host=args.host, allowed_hosts=args.allowed_host)
+    app = create_app(service, keys, bind_host=args.host, allowed_hosts=args.allowed_host,
+                     pytrio_options=pytrio_options)
     sock = listening_socket(args.host, args.port)
     port = sock.getsockname()[1]
     from server_mock.connections import ConnectionGuard, guarded_protocol

@@ -64,6 +64,17 @@ def tensor_limit(limits: Limits) -> BodyLimit:
                      limits.max_zstd_ratio, f"{TENSOR_VALUES_FACTOR} x limit max_json_values")
 
 
+def as_limit(request: Request, limit: BodyLimit | int) -> BodyLimit:
+    """``limit`` as a ``BodyLimit``; a plain size (a route with a limit of its own) counts values as a tensor
+    route does, from the worker's limits."""
+    if isinstance(limit, BodyLimit):
+        return limit
+    service = getattr(request.app.state, "service", None)
+    values = TENSOR_VALUES_FACTOR * (service.limits.max_json_values if service is not None else 1 << 16)
+    ratio = service.limits.max_zstd_ratio if service is not None else 100
+    return BodyLimit(limit, "max_body_bytes", values, ratio, f"{TENSOR_VALUES_FACTOR} x limit max_json_values")
+
+
 def _too_large(limit: BodyLimit, declared: str | None = None, what: str = "") -> WorkerError:
     size = f"{declared} bytes exceeds" if declared is not None else "exceeds"
     return WorkerError(413, "body_too_large", f"body: {size} limit {limit.name}={limit.size}{what}", "body")
@@ -127,13 +138,15 @@ async def parsing(request: Request, size: int) -> AsyncIterator[None]:
         yield
 
 
-async def read_body(request: Request, limit: BodyLimit, *, allow_zstd: bool = False, json_values: bool = True
+async def read_body(request: Request, limit: BodyLimit | int, *, allow_zstd: bool = False, json_values: bool = True
                     ) -> bytes | bytearray:
     """The body's bytes, at most ``limit.size`` of them (413 naming the limit). With ``allow_zstd``, a body sent
     with ``Content-Encoding: zstd`` is decompressed: the limit applies to what it decompresses to, and that may
     be at most ``limit.zstd_ratio`` times the compressed size (beyond ``ZSTD_FLOOR_BYTES``). With ``json_values``
     (a JSON body), its values are counted as it arrives, and one with more than ``limit.values`` is refused
-    before the rest of it is read."""
+    before the rest of it is read (a plain size as ``limit``: a body that need not be JSON, not counted)."""
+    if not isinstance(limit, BodyLimit):
+        limit, json_values = as_limit(request, limit), False
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit.size:
         raise _too_large(limit, declared)
@@ -252,9 +265,10 @@ def parse_json(raw: bytes, empty: Any = None, limit: BodyLimit | None = None) ->
         raise WorkerError(400, "invalid_json", "body: JSON nested too deeply", "body") from None
 
 
-async def read_json(request: Request, limit: BodyLimit, *, allow_zstd: bool = False, empty: Any = None
+async def read_json(request: Request, limit: BodyLimit | int, *, allow_zstd: bool = False, empty: Any = None
                     ) -> tuple[Any, bytes]:
     """The body parsed as JSON (off the event loop and within the parse budget when large), and its bytes."""
+    limit = as_limit(request, limit)
     raw = await read_body(request, limit, allow_zstd=allow_zstd)
     if off_loop(raw):
         async with parsing(request, await asyncio.to_thread(parse_cost, raw, limit)):
@@ -321,6 +335,7 @@ async def read_model(request: Request, model: type[BaseModel], limit: BodyLimit,
 async def read_model_raw(request: Request, model: type[BaseModel], limit: BodyLimit, *, allow_zstd: bool = False,
                          parse=None) -> tuple[Any, bytes]:
     """``read_model``, and the body's bytes; ``parse(model, raw, limit)`` replaces ``parse_body``."""
+    limit = as_limit(request, limit)
     raw = await read_body(request, limit, allow_zstd=allow_zstd)
     return await parse_raw(request, model, raw, limit, parse), raw
 

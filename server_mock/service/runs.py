@@ -8,6 +8,7 @@ itself (Tinker's per-model gate) hands them over with ``seq_id=None``: next in o
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +26,8 @@ from server_mock.service.quotas import ByteBudget, check_queued
 from server_mock.service.validation import check_adam
 from server_mock.storage.checkpoints import check_name
 
+RUN_ID_RE = re.compile(r"^run-[0-9a-f]{16,32}$")
+
 
 @dataclass
 class TrainingRun:
@@ -33,6 +36,7 @@ class TrainingRun:
     base_model: str
     spec: LoraSpec
     adapter: Any  # the host's adapter object
+    user_metadata: dict[str, str] | None = None  # a front end's labels (Tinker create_model), kept in checkpoints
     last_seq: int = 0
     seqs: dict[int, tuple[str, str]] = field(default_factory=dict)  # seq_id -> (request_id, body hash)
     admitting: asyncio.Lock = field(default_factory=asyncio.Lock)  # ops from the network, one at a time
@@ -81,7 +85,11 @@ class Runs:
                               f"limit max_adapters={self.limits.max_adapters} reached on this worker (all tenants); "
                               "retry later or raise --max-adapters")
 
-    async def create(self, body: CreateTrainingRun, tenant: str) -> TrainingRun:
+    async def create(self, body: CreateTrainingRun, tenant: str, new_id: str | None = None) -> TrainingRun:
+        """A new run (``new_id``: its id, chosen by a front end that named the run before it existed; it must be
+        unused and of the form run ids have, ``run-<hex>``)."""
+        if new_id is not None and (new_id in self._runs or not RUN_ID_RE.match(new_id)):
+            raise bad_request("training_run_id", f"{new_id!r} is taken or not a run id (run-<hex>)")
         self._check_quota(tenant)
         meta = ref = None
         store = self.checkpoints.store
@@ -100,7 +108,7 @@ class Runs:
             base_model, spec = body.base_model, body.lora
         self._check_lora(spec)
         host = await self.models.host(base_model)
-        new_id = run_id("run")
+        new_id = new_id or run_id("run")
         size = await self.adapter_bytes(base_model, spec, tenant)
         self._check_quota(tenant)  # again: other creates may have finished meanwhile
         self.memory.take(new_id, tenant, size, f"a rank-{spec.rank} adapter on {base_model} (its weights, gradients "
@@ -140,6 +148,10 @@ class Runs:
         run = TrainingRun(new_id, tenant, base_model, stored_spec, made[0])
         self._runs[new_id] = run
         return run
+
+    def owned(self, tenant: str) -> list[TrainingRun]:
+        """This tenant's live runs."""
+        return [run for run in self._runs.values() if run.tenant == tenant]
 
     def get(self, training_run_id: str, tenant: str) -> TrainingRun:
         run = self._runs.get(training_run_id)

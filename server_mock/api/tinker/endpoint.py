@@ -93,3 +93,11 @@ async def read(request: Request, model: type[TinkerBody], limit: bodies.BodyLimi
 
 def digest(raw: bytes) -> str:
     return hashlib.sha256(raw).hexdigest()
+
+
+async def read_json(request: Request, limit: bodies.BodyLimit) -> dict:
+    """The body as a JSON object (zstd allowed), for routes that check it themselves."""
+    body, _ = await bodies.read_json(request, limit, allow_zstd=True, empty={})
+    if not isinstance(body, dict):
+        raise WorkerError(400, "invalid_json", "body: expected a JSON object", "body")
+    return body

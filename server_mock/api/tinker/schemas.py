@@ -16,7 +16,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
 from pydantic import ValidationError as PydanticValidationError
 
-from pytrio_compat.wire import MAX_ITEMS, MAX_TOKENS, AdamParams, bounded_list
+from pytrio_compat.wire import MAX_ITEMS, MAX_KEYS, MAX_TOKENS, AdamParams, bounded_dict, bounded_list
 from server_mock.api.bodies import BodyLimit, check_values, first_error
 from server_mock.errors import WorkerError, bad_request
 
@@ -31,9 +31,15 @@ class TinkerBody(BaseModel):
 
 # --- sessions and training models ---------------------------------------------------------------------------
 
+# a client's labels, checked after parsing by records.user_metadata (64 keys, values of 4096 characters)
+Labels = bounded_dict(Any, MAX_KEYS) | None
+
 
 class CreateSession(TinkerBody):
-    """Nothing of it is kept (tags, metadata, SDK version)."""
+    """Its labels are kept for the REST API (tags and the SDK version are not)."""
+
+    user_metadata: Labels = None
+    display_name: StrictStr | None = None
 
 
 class Heartbeat(TinkerBody):
@@ -58,6 +64,7 @@ class CreateModel(TinkerBody):
     base_model: StrictStr
     lora_config: LoraConfig | None = None
     optimizer_config: OptimizerConfig | None = None
+    user_metadata: Labels = None
 
 
 class GetInfo(TinkerBody):
@@ -95,11 +102,13 @@ class SaveWeights(ModelOp):
     path: StrictStr | None = None
     ttl_seconds: StrictInt | None = None
     overwrite: StrictBool = False
+    user_metadata: Labels = None
 
 
 class SaveWeightsForSampler(ModelOp):
     path: StrictStr | None = None
     ttl_seconds: StrictInt | None = None
+    user_metadata: Labels = None
 
 
 class LoadWeights(TinkerBody):
@@ -112,6 +121,7 @@ class LoadWeights(TinkerBody):
     session_id: StrictStr | None = None
     model_seq_id: StrictInt | None = None
     base_model: StrictStr | None = None
+    user_metadata: Labels = None
 
 
 class WeightsInfo(TinkerBody):
@@ -160,6 +170,7 @@ class Asample(TinkerBody):
     topk_sample_logprobs: StrictInt | None = None  # refused unless 0
     prompt_alt_tokens_k: StrictInt | None = None  # refused unless 0
     target_prompt_logprobs: Any = None  # refused unless null
+    record_stability_info: StrictBool | None = None  # stable_reinforce: keep what each sequence was
 
 
 class RetrieveFuture(TinkerBody):

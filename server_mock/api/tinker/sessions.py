@@ -9,7 +9,7 @@ import uuid
 from starlette.requests import Request
 
 from pytrio_compat.wire import CreateTrainingRun, LoraSpec
-from server_mock.api.tinker import schemas
+from server_mock.api.tinker import records, schemas
 from server_mock.api.tinker.endpoint import read, read_body
 from server_mock.api.tinker.state import TinkerState
 from server_mock.errors import WorkerError, bad_request
@@ -25,9 +25,12 @@ async def dynamic_config(state: TinkerState, request: Request, tenant: str):
 
 
 async def create_session(state: TinkerState, request: Request, tenant: str):
-    await read(request, schemas.CreateSession, state.json_limit)
+    body, _ = await read(request, schemas.CreateSession, state.json_limit)
+    labels = records.user_metadata(body.user_metadata)  # for RestClient.get_session / search_sessions
+    display_name = body.display_name
     await state.expire()
     session = state.new_session(f"sess-{uuid.uuid4().hex[:20]}", tenant)
+    session.user_metadata, session.display_name = labels, display_name[:1024] if display_name else None
     return {"session_id": session.session_id, "type": "create_session"}
 
 
@@ -68,6 +71,7 @@ async def create_model(state: TinkerState, request: Request, tenant: str):
         return {"request_id": request_id, "model_id": model_id}
     lora = body.lora_config or schemas.LoraConfig()
     optimizer = body.optimizer_config or schemas.OptimizerConfig()
+    labels = records.user_metadata(body.user_metadata)  # RestClient.get_training_run answers them
     state.count_creation(session, "model_seq_id")
     model_id = f"{session.session_id}:train:{body.model_seq_id}"
 
@@ -77,7 +81,8 @@ async def create_model(state: TinkerState, request: Request, tenant: str):
                                                        "worker trains with adamw only")
         spec = LoraSpec(**lora.model_dump(exclude_none=True))
         run = await state.service.runs.create(CreateTrainingRun(base_model=body.base_model, lora=spec), tenant)
-        await state.register(session, model_id, run.run_id, run.base_model)
+        run.user_metadata = labels
+        await state.register(session, model_id, run.run_id, run.base_model, labels)
         return {"model_id": model_id, "type": "create_model"}
 
     request_id = state.futures.add_guarded(tenant, create())

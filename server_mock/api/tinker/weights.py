@@ -10,7 +10,7 @@ import uuid
 from starlette.requests import Request
 
 from pytrio_compat.wire import CreateSampler, CreateTrainingRun, LoadOp, SaveOp
-from server_mock.api.tinker import schemas
+from server_mock.api.tinker import records, schemas
 from server_mock.api.tinker.endpoint import read
 from server_mock.api.tinker.paths import to_tinker_path, to_trio_path
 from server_mock.api.tinker.state import TinkerState
@@ -24,7 +24,8 @@ async def save_weights(state: TinkerState, request: Request, tenant: str):
 
     def payload() -> SaveOp:
         return SaveOp(op="save_state", name=body.path or f"state-{uuid.uuid4().hex[:12]}",
-                      ttl_seconds=body.ttl_seconds, overwrite=body.overwrite)
+                      ttl_seconds=body.ttl_seconds, overwrite=body.overwrite,
+                      user_metadata=records.user_metadata(body.user_metadata))
 
     def convert(result: dict) -> dict:
         return {"path": to_tinker_path(result["path"]), "type": "save_weights"}
@@ -39,7 +40,8 @@ async def save_weights_for_sampler(state: TinkerState, request: Request, tenant:
 
     if name is not None:
         def payload() -> SaveOp:
-            return SaveOp(op="save_weights_for_sampler", name=name, ttl_seconds=body.ttl_seconds)
+            return SaveOp(op="save_weights_for_sampler", name=name, ttl_seconds=body.ttl_seconds,
+                          user_metadata=records.user_metadata(body.user_metadata))
 
         def convert(result: dict) -> dict:
             return {"path": to_tinker_path(result["path"]), "type": "save_weights_for_sampler"}
@@ -50,6 +52,9 @@ async def save_weights_for_sampler(state: TinkerState, request: Request, tenant:
 
         async def convert(result: dict) -> dict:
             sampler = await state.service.samplers.create(CreateSampler(model_path=result["path"]), tenant)
+            session = state.sessions.get(model.session_id)
+            if session is not None:  # its samples may be recorded for stable_reinforce
+                state.add_session_sampler(session, sampler.sampler_id)
             return {"sampling_session_id": sampler.sampler_id, "type": "save_weights_for_sampler"}
 
     return gated(state, tenant, model, body.seq_id, body.digest(), payload, convert, size)
@@ -83,12 +88,14 @@ async def load_weights(state: TinkerState, request: Request, tenant: str):
     state.count_creation(session, "model_seq_id")
     model_id = f"{session.session_id}:train:{model_seq_id}"
     base_model = body.base_model
+    labels = records.user_metadata(body.user_metadata)
 
     async def create() -> dict:
         create_body = CreateTrainingRun(base_model=base_model, from_checkpoint=to_trio_path(path),
                                         load_optimizer=with_optimizer)
         run = await state.service.runs.create(create_body, tenant)
-        await state.register(session, model_id, run.run_id, run.base_model)
+        run.user_metadata = labels
+        await state.register(session, model_id, run.run_id, run.base_model, labels)
         return {"path": path, "model_id": model_id, "type": "load_weights"}
 
     request_id = state.futures.add_guarded(tenant, create())
