@@ -26,7 +26,7 @@ from server_mock.service.quotas import ByteBudget, check_queued
 from server_mock.service.validation import check_adam
 from server_mock.storage.checkpoints import check_name
 
-RUN_ID_RE = re.compile(r"^run-[0-9a-f]{16,32}$")
+RUN_ID_RE = re.compile(r"^run-[0-9a-f]{16,32}\Z")
 
 
 @dataclass

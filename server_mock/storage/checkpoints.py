@@ -27,10 +27,10 @@ from safetensors.torch import load_file, save_file
 
 from server_mock.errors import WorkerError, bad_request
 
-# matched with fullmatch: `$` would also match before a trailing newline
-NAME_RE = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9_-])?")
-RUN_RE = re.compile(r"[a-z0-9][a-z0-9-]{0,63}")
-PATH_RE = re.compile(r"trio://(?P<run>[^/]+)/(?P<kind>state|sampler)/(?P<name>[^/]+)")
+# anchored with \Z, not $ (which also matches before a trailing newline), so .match and .fullmatch both hold
+NAME_RE = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9_-])?\Z")
+RUN_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}\Z")
+PATH_RE = re.compile(r"^trio://(?P<run>[^/]+)/(?P<kind>state|sampler)/(?P<name>[^/]+)\Z")
 KINDS = ("state", "sampler")
 
 

@@ -33,7 +33,7 @@ PATTERN_SECONDS = 1.0  # a string target_modules, against all the layer names of
 PATTERN_SECONDS_PER_NAME = 0.05  # ... and against one (a real pattern takes microseconds)
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-KEY_RE = re.compile(r"base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight")  # fullmatch
+KEY_RE = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight\Z")
 # LoraConfig features the worker's layout cannot reproduce: each must be off/empty
 UNSUPPORTED = {"use_dora": False, "fan_in_fan_out": False, "modules_to_save": None, "rank_pattern": {},
                "alpha_pattern": {}, "layers_to_transform": None, "lora_bias": False, "target_parameters": None,

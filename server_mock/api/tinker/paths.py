@@ -12,9 +12,9 @@ from server_mock.errors import bad_request
 
 REDUCTIONS = {"mean", "sum", "min", "max", "slack", "hash2", "unique"}
 
-# matched with fullmatch: `$` would also match before a trailing newline
-_PATH_RE = re.compile(r"tinker://(?P<run>[^/]+)/(?P<kind>weights|sampler_weights|external_weights)/(?P<name>[^/]+)")
-_TRIO_FULL_RE = re.compile(r"trio://(?P<run>[^/]+)/(?P<kind>state|sampler)/(?P<name>[^/]+)")
+# anchored with \Z, not $ (which also matches before a trailing newline)
+_PATH_RE = re.compile(r"^tinker://(?P<run>[^/]+)/(?P<kind>weights|sampler_weights|external_weights)/(?P<name>[^/]+)\Z")
+_TRIO_FULL_RE = re.compile(r"^trio://(?P<run>[^/]+)/(?P<kind>state|sampler)/(?P<name>[^/]+)\Z")
 _TRIO_PATH_RE = re.compile(r"trio://(?P<run>[^/\s'\"]+)/(?P<kind>state|sampler)/(?P<name>[^/\s'\",;]+)")
 _TO_TRIO_KIND = {"weights": "state", "sampler_weights": "sampler"}
 _TO_TINKER_KIND = {v: k for k, v in _TO_TRIO_KIND.items()}

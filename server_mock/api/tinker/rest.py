@@ -94,7 +94,7 @@ def run_id_of(state: TinkerState, tenant: str, given: str) -> str:
     model = state.models.get(given)
     if model is not None and model.tenant == tenant:
         return model.run_id
-    if not RUN_RE.match(given):
+    if not RUN_RE.fullmatch(given):
         raise not_found("training_run", given)
     return given
 
