@@ -16,6 +16,7 @@ from starlette.middleware import Middleware
 from starlette.routing import BaseRoute
 
 from server_mock.api.auth import Auth
+from server_mock.api.bodies import ParseBudget
 from server_mock.api.browser_safety import BrowserGuard, HostPolicy
 from server_mock.api.native import native_routes
 from server_mock.api.native.endpoint import Idempotency
@@ -49,6 +50,7 @@ def create_app(service: WorkerService, api_keys: list[str] | None = None, *, bin
     app.state.service = service
     app.state.auth = auth
     app.state.idempotency = Idempotency()
+    app.state.parse_budget = ParseBudget(service.limits.max_parsing_bytes)
     app.state.pytrio = pytrio
     return app
 
