@@ -9,7 +9,7 @@ from pydantic import ValidationError as PydanticValidationError
 
 from .errors import APIError, ValidationError
 from .types import APIFuture, ModelInput, SampleResponse, SamplingParams
-from .wire import Accepted, SampleRequest, SamplerInfo, WireSamplingParams
+from .wire import Accepted, SampleRequest, SamplerInfo, WireImage, WireSamplingParams
 
 if TYPE_CHECKING:
     from .service_client import ServiceClient
@@ -109,9 +109,6 @@ def _sample_request(
     if prompt.is_empty:
         raise ValidationError("prompt cannot be empty", code="validation.empty_prompt",
                               hint="pass ModelInput.from_ints(token_ids) with at least one token")
-    if prompt.has_images:
-        raise ValidationError("image prompts are not supported by this worker (text-only models)",
-                              code="validation.images_unsupported")
     if params.max_tokens is None or params.max_tokens <= 0:
         raise ValidationError(
             f"sampling_params.max_tokens must be a positive integer, got {params.max_tokens}",
@@ -122,6 +119,7 @@ def _sample_request(
             f"num_samples must be >= 1 and topk_prompt_logprobs >= 0, got {num_samples} and {topk_prompt_logprobs}",
             code="validation.invalid_sampling_request",
         )
+    text_tokens, images = prompt.text_and_images()
     stop = params.stop
     stop_strings = stop_ids = None
     if isinstance(stop, str):
@@ -134,7 +132,8 @@ def _sample_request(
             stop_strings = [str(x) for x in items]
     try:
         return SampleRequest(
-            prompt_tokens=prompt.to_ints(),
+            prompt_tokens=text_tokens,
+            prompt_images=[WireImage(position=at, chunk=chunk) for at, chunk in images] or None,
             num_samples=num_samples,
             sampling_params=WireSamplingParams(
                 max_tokens=params.max_tokens, temperature=params.temperature, top_k=params.top_k,

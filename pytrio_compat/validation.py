@@ -14,7 +14,7 @@ from .errors import ValidationError
 from .types import Datum
 from .types.datum import LOSS_INPUTS
 from .types.tensor import WireTensor
-from .wire import WireDatum
+from .wire import WireDatum, WireImage
 
 IGNORE_INDEX = -100
 
@@ -42,11 +42,15 @@ def validate_batch(
         for key in required:
             if key not in datum.loss_fn_inputs:
                 raise ValueError(f"{key} is required (sample {index}, loss {name})")
-        if datum.model_input.has_images:
-            raise ValidationError("image inputs are not supported by this worker (text-only models)",
-                                  code="validation.images_unsupported", details={"sample_index": index})
-        tokens = datum.model_input.to_ints()
-        seq_len = len(tokens)
+        tokens, images = datum.model_input.text_and_images()
+        for _, chunk in images:
+            if chunk.expected_tokens is None:
+                raise ValidationError(f"sample {index}: an ImageChunk needs expected_tokens in training data (the "
+                                      "loss inputs cover the image's tokens too)",
+                                      code="validation.image_expected_tokens_missing",
+                                      details={"sample_index": index},
+                                      hint="count with the model's image processor (the rendered prompt's count)")
+        seq_len = len(tokens) + sum(chunk.expected_tokens for _, chunk in images)
         if seq_len < 1:
             raise ValidationError(f"sample {index} has an empty model_input", code="validation.empty_training_sample",
                                   details={"sample_index": index})
@@ -74,7 +78,8 @@ def validate_batch(
                     if not math.isfinite(value):
                         raise ValueError(f"{key}[{pos}] must be finite for sample {index}, got {value}")
             inputs[key] = WireTensor.from_tensor_data(tensor)
-        wire.append(WireDatum(tokens=WireTensor.from_array(np.asarray(tokens, dtype=np.int64)), loss_fn_inputs=inputs))
+        wire.append(WireDatum(tokens=WireTensor.from_array(np.asarray(tokens, dtype=np.int64)), loss_fn_inputs=inputs,
+                              images=[WireImage(position=at, chunk=chunk) for at, chunk in images] or None))
     return name, wire
 
 

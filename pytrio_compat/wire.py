@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 # Models that are on the wire as they are in the public API: the worker takes them from here, so this
 # module is the whole of what it shares with the client.
 from .types.bounds import MAX_ITEMS, MAX_KEYS, MAX_TOKENS, bounded_dict, bounded_list  # noqa: F401
+from .types.model_input import ImageChunk
 from .types.params import AdamParams
 from .types.responses import GetServerCapabilitiesResponse, ModelOperationCapabilities, SupportedModel  # noqa: F401
 from .types.tensor import WireTensor
@@ -96,9 +97,19 @@ class TrainingRunInfo(WireModel):
     last_seq_id: int = 0
 
 
+class WireImage(WireModel):
+    """An image chunk of a prompt or datum: the image goes before text token ``position`` of the sequence's text
+    tokens (``len(tokens)``: after the last one); images at one position keep their order. The worker replaces it
+    with the tokens its processor makes for the image (``chunk.expected_tokens`` of them, filled in when left out)."""
+
+    position: int = Field(ge=0)
+    chunk: ImageChunk
+
+
 class WireDatum(WireModel):
-    tokens: WireTensor
+    tokens: WireTensor  # the text tokens; with ``images`` the loss inputs cover text and image tokens together
     loss_fn_inputs: bounded_dict(WireTensor, MAX_KEYS)
+    images: bounded_list(WireImage, MAX_ITEMS) | None = None
 
 
 class ForwardOp(WireModel):
@@ -197,7 +208,8 @@ class WireSamplingParams(WireModel):
 
 
 class SampleRequest(WireModel):
-    prompt_tokens: bounded_list(int, MAX_TOKENS)
+    prompt_tokens: bounded_list(int, MAX_TOKENS)  # the text tokens; images between them in ``prompt_images``
+    prompt_images: bounded_list(WireImage, MAX_ITEMS) | None = None
     num_samples: int = 1
     sampling_params: WireSamplingParams
     include_prompt_logprobs: bool = False

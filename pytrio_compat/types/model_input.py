@@ -27,7 +27,9 @@ class EncodedTextChunk(BaseModel):
 
 
 class ImageChunk(BaseModel):
-    """An inline image. Accepted for API compatibility; the worker serves text-only models."""
+    """An inline PNG or JPEG image between text chunks, for a vision-language model. It stands for
+    ``expected_tokens`` positions of the sequence (the model's image processor decides how many; the worker checks
+    the count, and fills it in for a sample prompt that leaves it out)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -90,6 +92,18 @@ class ModelInput(BaseModel):
 
     def __len__(self) -> int:
         return self.length
+
+    def text_and_images(self) -> tuple[list[int], list[tuple[int, ImageChunk]]]:
+        """The text tokens, and each image chunk with the number of text tokens before it (how the worker's wire
+        carries a sequence with images)."""
+        tokens: list[int] = []
+        images: list[tuple[int, ImageChunk]] = []
+        for chunk in self.chunks:
+            if isinstance(chunk, ImageChunk):
+                images.append((len(tokens), chunk))
+            else:
+                tokens.extend(chunk.tokens)
+        return tokens, images
 
     @property
     def has_images(self) -> bool:

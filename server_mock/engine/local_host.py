@@ -22,7 +22,7 @@ from server_mock.config import TrainOptions
 from server_mock.engine import support
 from server_mock.engine.host import ModelFacts
 from server_mock.engine.loading import load_model_and_tokenizer
-from server_mock.engine.vision import ImageProcessing, is_image_text, load_image_processing
+from server_mock.engine.vision import ImageProcessing, batch_image_inputs, is_image_text, load_image_processing
 from server_mock.engine.vision_probe import probe_image_decoding
 from server_mock.errors import bad_request
 from server_mock.lora import Adapter, Snapshot, linear_groups, lora_config
@@ -149,7 +149,8 @@ class LocalModelHost(ModelFacts):
         model = TrainModel(partial(self.logits, self.peft), self.model.config, self.cache_kwarg, self.device,
                            self.options.micro_batch_tokens,
                            self.options.prefix_share_min_tokens if self.prefix_sharing else 0,
-                           reference_logits=partial(self.logits, _BaseOnly(self.peft)))
+                           reference_logits=partial(self.logits, _BaseOnly(self.peft)),
+                           vision=self.vision, image_inputs=batch_image_inputs)
         try:
             return run_forward_backward(model, data, loss_fn, config, backward, loss_scale)
         except BaseException:
@@ -242,7 +243,7 @@ class LocalModelHost(ModelFacts):
         started = time.perf_counter()
         model = self.sampling_model(snapshot)
         timings["load_weights"] = time.perf_counter() - started
-        return generate_batch(model, specs, self.tokenizer, timings, self.sampling_support)
+        return generate_batch(model, specs, self.tokenizer, timings, self.sampling_support, self.vision)
 
     def sampling_model(self, snapshot: Snapshot | None) -> nn.Module:
         """The model to generate with: the base model, or a sampler slot holding the snapshot's weights.

@@ -31,8 +31,8 @@ import torch
 from server_mock.engine.images import DecodedImage
 from server_mock.errors import WorkerError
 
-__all__ = ["VISION_FAMILIES", "ImageProcessing", "PreparedImage", "VisionFamily", "check_expected_tokens",
-           "is_image_text", "load_image_processing"]
+__all__ = ["VISION_FAMILIES", "ImageProcessing", "ImageSpan", "PreparedImage", "VisionFamily", "batch_image_inputs",
+           "check_expected_tokens", "is_image_text", "load_image_processing"]
 
 
 @dataclass(frozen=True)
@@ -177,3 +177,28 @@ def load_image_processing(model, source: str, tokenizer) -> ImageProcessing:
     params = set(inspect.signature(model.forward).parameters)
     rope_index = model.model.get_rope_index if family.mrope else None  # PEFT wraps layers, not this module
     return ImageProcessing(config.model_type, config, processor, image_processor, tokenizer, params, rope_index)
+
+
+@dataclass(frozen=True)
+class ImageSpan:
+    """One image of a sequence in the engine's form: its tokens start at ``start`` (an index into the expanded
+    token ids, which hold ``image.tokens`` there)."""
+
+    start: int
+    image: PreparedImage
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.image.n_tokens
+
+
+def batch_image_inputs(vision: ImageProcessing, ids: torch.Tensor, spans: list[tuple[ImageSpan, ...]],
+                       attention_mask: torch.Tensor | None = None) -> dict[str, Any]:
+    """The image kwargs of one forward pass over the rows ``ids`` (B, T), row b holding ``spans[b]`` (in order):
+    pixel inputs, the image-token type ids and, for M-RoPE families, ``position_ids`` (3, B, T)."""
+    images = [span.image for row in spans for span in row]
+    kwargs = vision.forward_inputs(ids, images, ids.device)
+    positions, _ = vision.positions(ids, images, attention_mask)
+    if positions is not None:
+        kwargs["position_ids"] = positions
+    return kwargs

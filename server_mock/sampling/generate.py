@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from server_mock.sampling import prompt_images
 from server_mock.sampling.logprobs import EvalMode, prompt_logprobs, teacher_forced_logprobs
 from server_mock.sampling.token_choice import next_tokens, row_seed, stop_string_hit
 
@@ -52,6 +53,10 @@ class SampleSpec:
     stop_strings: list[str] = field(default_factory=list)
     include_prompt_logprobs: bool = False
     topk_prompt_logprobs: int = 0
+    # the prompt's images (engine.vision.ImageSpan), their tokens already in ``prompt_tokens``
+    images: tuple = ()
+    # never drawn (their probability is set to 0 before choosing); logprobs stay the model's distribution's
+    banned_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -94,10 +99,11 @@ FULL_SUPPORT = SamplingSupport()
 
 
 def _forward(model, input_ids: torch.Tensor, cache, logits_to_keep: int = 0, attention_mask=None,
-             position_ids=None):
-    """A causal-LM forward with the cache (transformers 5.24 renamed ``past_key_values=``: ``cache=``)."""
+             position_ids=None, **extra):
+    """A causal-LM forward with the cache (transformers 5.24 renamed ``past_key_values=``: ``cache=``); ``extra``:
+    an image-text model's image inputs."""
     out = model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=logits_to_keep,
-                attention_mask=attention_mask, position_ids=position_ids)
+                attention_mask=attention_mask, position_ids=position_ids, **extra)
     new_cache = getattr(out, "cache", None)
     if new_cache is None:  # pragma: no cover - older output classes
         new_cache = getattr(out, "past_key_values", None)
@@ -178,40 +184,50 @@ def _record(specs, rows, live, next_tok, tok_lp, tokenizer) -> list[int]:
 
 
 def generate(model, spec: SampleSpec, tokenizer=None, timings: dict[str, float] | None = None,
-             support: SamplingSupport = FULL_SUPPORT) -> SampleResult:
+             support: SamplingSupport = FULL_SUPPORT, vision=None) -> SampleResult:
     """Sample ``spec.num_samples`` completions of ``spec.prompt_tokens`` with a KV cache, exact logprobs.
 
     ``timings``, if given, receives the seconds spent in ``prefill`` and ``decode``."""
-    return generate_batch(model, [spec], tokenizer, timings, support)[0]
+    return generate_batch(model, [spec], tokenizer, timings, support, vision)[0]
 
 
 def generate_batch(model, specs: list[SampleSpec], tokenizer=None, timings: dict[str, float] | None = None,
-                   support: SamplingSupport = FULL_SUPPORT) -> list[SampleResult]:
-    """Decode one or several sample requests as one batch (the async recipe's concurrent prompts)."""
+                   support: SamplingSupport = FULL_SUPPORT, vision=None) -> list[SampleResult]:
+    """Decode one or several sample requests as one batch (the async recipe's concurrent prompts). ``vision``
+    (``engine.vision.ImageProcessing``) is needed when a prompt holds images: the prefill takes them (the vision
+    encoder runs once per prefilled prompt), the decode is text only (``prompt_images``)."""
     for spec in specs:
         _check_spec(spec, tokenizer)
+        if spec.images and vision is None:
+            raise ValueError("a prompt with images needs the model's image processing")
     if len(specs) > 1 and not support.padded_batch:
-        return [generate_batch(model, [s], tokenizer, timings, support)[0] for s in specs]
+        return [generate_batch(model, [s], tokenizer, timings, support, vision)[0] for s in specs]
     device = _model_device(model)
     rows = _make_rows(specs, device)
     # rows of the prefill batch: one per request, or one per sample row where the cache cannot be expanded
     prefill_of_row = [row.request for row in rows]
-    prefill_prompts = [s.prompt_tokens for s in specs]
+    prefill_specs = list(specs)
     if not support.shared_prefix:
         prefill_of_row = list(range(len(rows)))
-        prefill_prompts = [specs[row.request].prompt_tokens for row in rows]
+        prefill_specs = [specs[row.request] for row in rows]
+    prefill_prompts = [s.prompt_tokens for s in prefill_specs]
     started = time.perf_counter()
     with torch.no_grad(), EvalMode(model):
         ids, mask, positions = _left_padded(prefill_prompts, device)
+        lengths = [len(p) for p in prefill_prompts]
         want_prompt = any(s.include_prompt_logprobs or s.topk_prompt_logprobs > 0 for s in specs)
-        logits, cache = _forward(model, ids, None, 0 if want_prompt else 1, mask, positions)
+        images = prompt_images.prefill(vision, prefill_specs, ids, mask, positions, lengths)
+        if images is None:
+            logits, cache = _forward(model, ids, None, 0 if want_prompt else 1, mask, positions)
+        else:
+            logits, cache = _forward(model, ids, None, 0 if want_prompt else 1, mask, **images.prefill_inputs)
         prompt_info = _all_prompt_logprobs(specs, prefill_prompts, prefill_of_row, rows, logits, ids)
         step_logits = logits[:, -1, :].float()
         del logits
         prefilled = time.perf_counter()
         live = [r for r, row in enumerate(rows) if specs[row.request].max_tokens > 0]
         if live:
-            state = _Batch(cache, step_logits, mask, positions, [len(p) for p in prefill_prompts])
+            state = _Batch(cache, step_logits, mask, positions, lengths, images)
             batch = list(range(len(rows)))  # the sample row in each cache position
             if support.shared_prefix:  # one cache row per request so far: expand to the live sample rows
                 state.reorder([prefill_of_row[r] for r in live], list(range(len(prefill_prompts))))
@@ -244,13 +260,17 @@ def _all_prompt_logprobs(specs, prefill_prompts, prefill_of_row, rows, logits, i
 
 
 class _Batch:
-    """The decoding batch: the model's cache and, where prompts were padded, the mask and positions."""
+    """The decoding batch: the model's cache and, where prompts were padded or hold images, the mask and each
+    row's next position (with images: what ``prompt_images.ImagePrefill`` says the text after them takes)."""
 
-    def __init__(self, cache, step_logits, mask, positions, lengths):
+    def __init__(self, cache, step_logits, mask, positions, lengths, images=None):
         self.cache = cache
         self.step_logits = step_logits
         self.mask = mask
+        self.images = images
         self.positions = None if positions is None else torch.tensor(lengths, device=step_logits.device)
+        if images is not None:
+            self.positions = images.next_positions
 
     def reorder(self, index: list[int], current: list[int]) -> None:
         """Keep cache rows ``index`` (positions in the current batch), repeating a row to expand it."""
@@ -260,13 +280,18 @@ class _Batch:
         self.cache.reorder_cache(idx)
         self.step_logits = self.step_logits[idx]
         if self.mask is not None:
-            self.mask, self.positions = self.mask[idx], self.positions[idx]
+            self.mask = self.mask[idx]
+        if self.positions is not None:
+            self.positions = self.positions[idx]
 
     def advance(self, model, next_tok: torch.Tensor) -> None:
         if self.mask is not None:
             self.mask = torch.cat([self.mask, self.mask.new_ones((self.mask.shape[0], 1))], dim=1)
         positions = None if self.positions is None else self.positions[:, None]
-        logits, self.cache = _forward(model, next_tok[:, None], self.cache, 1, self.mask, positions)
+        extra = {}
+        if self.images is not None:
+            positions, extra = self.images.step_inputs(positions, next_tok[:, None])
+        logits, self.cache = _forward(model, next_tok[:, None], self.cache, 1, self.mask, positions, **extra)
         self.step_logits = logits[:, -1, :].float()
         if self.positions is not None:
             self.positions = self.positions + 1

@@ -61,13 +61,20 @@ def next_tokens(specs, rows, live: list[int], step_logits: torch.Tensor):
         block = [b for b, r in enumerate(live) if rows[r].request == i]
         if not block:
             continue
+        banned = getattr(spec, "banned_token_ids", None)
         if spec.temperature == 0:
-            next_tok[block] = lp_all[block].argmax(dim=-1)
+            choice = lp_all[block]
+            if banned:
+                choice = choice.index_fill(-1, torch.tensor(banned, device=choice.device), float("-inf"))
+            next_tok[block] = choice.argmax(dim=-1)
             continue
         top_k = spec.top_k if spec.top_k and spec.top_k > 0 else 0
         plain = spec.temperature == 1.0 and top_k == 0 and spec.top_p >= 1.0
-        probs = lp_all[block].exp() if plain else filtered_probs(step_logits[block], spec.temperature, top_k,
-                                                                 spec.top_p)
+        logits = step_logits[block]
+        if banned:  # drawn from the rest of the distribution; the logprob returned is still the model's
+            logits = logits.index_fill(-1, torch.tensor(banned, device=logits.device), float("-inf"))
+            plain = False
+        probs = lp_all[block].exp() if plain else filtered_probs(logits, spec.temperature, top_k, spec.top_p)
         for j, b in enumerate(block):
             next_tok[b] = torch.multinomial(probs[j], 1, generator=rows[live[b]].generator)[0]
     return next_tok, lp_all.gather(-1, next_tok[:, None])[:, 0]

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from pytrio_compat.wire import WireImage
 from server_mock.config import Limits
 from server_mock.engine.host import ModelHost
 from server_mock.errors import bad_request
@@ -37,6 +38,7 @@ class ForwardBatch:
     backward: bool
     loss_fn_config: dict[str, Any] = field(default_factory=dict)
     loss_scale: float = 1.0
+    images: Sequence[Sequence[WireImage] | None] | None = None  # datum i's image chunks (None: text only)
 
     @property
     def kind(self) -> str:
@@ -64,12 +66,19 @@ def prepare_forward(batch: ForwardBatch, host: ModelHost, adapter, limits: Limit
         config = losses.resolve_loss_config(loss_fn, loss_config)
     except losses.LossConfigError as exc:
         raise bad_request(exc.field, str(exc), code="invalid_loss") from None
-    data = validate_rows(loss_fn, batch.data, host, limits)
+    data = validate_rows(loss_fn, batch.data, host, limits, batch.images)
 
     def run_forward() -> dict:
         with faults.injected(fault, list(adapter.params.values())):
             out = host.forward_backward(adapter, data, loss_fn, config, batch.backward, batch.loss_scale)
         return {"loss_fn_outputs": out["outputs"], "metrics": out["metrics"]}
 
-    nbytes = sum(DATUM_OVERHEAD_BYTES + sum(array.nbytes for array in row.values()) for row in data)
+    nbytes = sum(DATUM_OVERHEAD_BYTES + sum(_held_bytes(value) for value in row.values()) for row in data)
     return PreparedOp(batch.kind, run_forward, nbytes)
+
+
+def _held_bytes(value) -> int:
+    """An array's bytes, or a datum's image spans' (their pixel inputs)."""
+    if isinstance(value, np.ndarray):
+        return value.nbytes
+    return sum(span.image.tokens.nbytes + sum(a.nbytes for a in span.image.pixel_inputs.values()) for span in value)

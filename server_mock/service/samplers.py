@@ -152,12 +152,25 @@ class Samplers:
 
         return f"{sampler.base_model}:disk:{sampler.model_path}", load
 
-    def submit(self, sampler_id: str, request: SampleRequest, tenant: str) -> Job:
-        """Queue one sample request; its job's result is a dict (``sample_result``'s form)."""
+    async def submit_async(self, sampler_id: str, request: SampleRequest, tenant: str) -> Job:
+        """``submit`` for a front end on the event loop: a prompt with images is decoded and processed in a worker
+        thread (a text prompt is checked inline, as before)."""
+        if not request.prompt_images:
+            return self.submit(sampler_id, request, tenant)
         sampler = self.get(sampler_id, tenant)
         check_queued(self.requests, tenant, self.limits.max_queued_requests)
         host = self.models.loaded(sampler.base_model)
-        spec = validate_sample(request, host, self.limits)
+        spec = await asyncio.to_thread(validate_sample, request, host, self.limits)
+        return self.submit(sampler_id, request, tenant, spec)
+
+    def submit(self, sampler_id: str, request: SampleRequest, tenant: str, spec: SampleSpec | None = None) -> Job:
+        """Queue one sample request; its job's result is a dict (``sample_result``'s form). ``spec``: the request
+        already checked (``validate_sample``)."""
+        sampler = self.get(sampler_id, tenant)
+        check_queued(self.requests, tenant, self.limits.max_queued_requests)
+        host = self.models.loaded(sampler.base_model)
+        if spec is None:
+            spec = validate_sample(request, host, self.limits)
         weights_key, load = self._weights_for(sampler, host)
         batch_key = weights_key if self.limits.batch_across_tenants else f"{tenant}|{weights_key}"
         return_text = request.return_text

@@ -8,20 +8,23 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from pytrio_compat.wire import AdamParams, SampleRequest
+from pytrio_compat.wire import AdamParams, SampleRequest, WireImage
 from server_mock.config import Limits
 from server_mock.engine.host import ModelHost
 from server_mock.errors import WorkerError, bad_request
 from server_mock.sampling.generate import SampleSpec
+from server_mock.service.image_inputs import RequestImages
 from server_mock.training import losses
 
 
 def validate_sample(request: SampleRequest, host: ModelHost, limits: Limits) -> SampleSpec:
     params = request.sampling_params
     prompt = token_array(request.prompt_tokens, host.vocab_size, "prompt_tokens")
-    if len(prompt) == 0:
+    if len(prompt) == 0 and not request.prompt_images:
         raise bad_request("prompt_tokens", "prompt cannot be empty")
     check_vocab(prompt, host.vocab_size, "prompt_tokens", allow_ignore=False)
+    prompt, spans = RequestImages(host, limits).expand(prompt, request.prompt_images, "prompt_tokens",
+                                                       "prompt_images")
     if not 1 <= request.num_samples <= limits.max_num_samples:
         raise WorkerError(413 if request.num_samples > 0 else 400, "invalid_num_samples",
                           f"num_samples: must be in [1, {limits.max_num_samples}] (limit max_num_samples), "
@@ -66,6 +69,10 @@ def validate_sample(request: SampleRequest, host: ModelHost, limits: Limits) -> 
         stop_token_ids=stop_ids, stop_strings=stop_strings,
         include_prompt_logprobs=request.include_prompt_logprobs,
         topk_prompt_logprobs=request.topk_prompt_logprobs,
+        images=spans,
+        # a sampled image placeholder would stand for an image that is not there (and the datum made from the
+        # completion could not be trained on): never drawn; logprobs stay those of the model's distribution
+        banned_token_ids=[host.vision.image_token_id] if spans else [],
     )
 
 
@@ -89,12 +96,16 @@ def check_stop_strings(stop: list[str] | None, limits: Limits) -> list[str]:
 
 
 def validate_rows(loss_fn: str, data: Sequence[Mapping[str, np.ndarray]], host: ModelHost,
-                  limits: Limits) -> list[dict[str, np.ndarray]]:
+                  limits: Limits, images: Sequence[Sequence[WireImage] | None] | None = None,
+                  ) -> list[dict[str, np.ndarray]]:
     """A forward op's datums, checked: each a mapping of ``tokens`` and its loss inputs by name (a front end may
     pass mappings that decode an array when it is read, raising a 4xx naming the field; an input the loss does
-    not use is never read). Returns plain dicts of the arrays the loss reads."""
+    not use is never read). ``images[i]``: datum i's image chunks, put into its tokens (``image_inputs``); the
+    loss inputs then cover the expanded sequence. Returns plain dicts of the arrays the loss reads, plus
+    ``"images"`` (a tuple of ``ImageSpan``) on a datum with images."""
     if not data:
         raise bad_request("data", "training data cannot be empty")
+    request_images = RequestImages(host, limits)
     required = losses.REQUIRED_INPUTS[loss_fn]
     optional = losses.OPTIONAL_INPUTS[loss_fn]
     out = []
@@ -103,8 +114,13 @@ def validate_rows(loss_fn: str, data: Sequence[Mapping[str, np.ndarray]], host: 
     for i, datum in enumerate(data):
         where = f"data[{i}]"
         tokens = datum["tokens"]
-        if tokens.dtype != np.int64 or tokens.ndim != 1 or len(tokens) == 0:
+        datum_images = images[i] if images is not None and i < len(images) else None
+        if tokens.dtype != np.int64 or tokens.ndim != 1 or (len(tokens) == 0 and not datum_images):
             raise bad_request(f"{where}.tokens", "must be a non-empty 1-D int64 tensor")
+        spans = ()
+        if datum_images:
+            check_vocab(tokens, host.vocab_size, f"{where}.tokens", allow_ignore=False)
+            tokens, spans = request_images.expand(tokens, datum_images, f"{where}.tokens", f"{where}.images")
         n = len(tokens)
         total += n
         if n > host.max_seq_len:
@@ -112,6 +128,8 @@ def validate_rows(loss_fn: str, data: Sequence[Mapping[str, np.ndarray]], host: 
                                                         f"max_seq_len={host.max_seq_len}", f"{where}.tokens")
         check_vocab(tokens, host.vocab_size, f"{where}.tokens", allow_ignore=False)
         row = {"tokens": tokens}
+        if spans:
+            row["images"] = spans
         for key in required + optional:
             if key not in datum:
                 if key in losses.RECORDED_INPUTS:

@@ -30,6 +30,10 @@ class TrainModel:
     micro_batch_tokens: int
     prefix_share_min_tokens: int  # 0: this model does not share prefixes
     reference_logits: Callable[..., torch.Tensor] | None = None  # the same with the adapter disabled (the base)
+    # an image-text model's image processing (engine.vision.ImageProcessing): needed by datums with images
+    vision: Any = None
+    # engine.vision.batch_image_inputs: the image kwargs of one forward pass
+    image_inputs: Callable[..., dict[str, Any]] | None = None
 
 
 def run_forward_backward(model: TrainModel, data: list[dict[str, np.ndarray]], loss_fn: str,
@@ -37,8 +41,10 @@ def run_forward_backward(model: TrainModel, data: list[dict[str, np.ndarray]], l
     """Per-datum logprobs and losses of ``data`` with the model's active adapter; with ``backward`` the gradient of
     the summed loss times ``loss_scale`` accumulates (1: the sum itself; a front end whose protocol reduces by a
     mean over a call it may split passes 1/denominator). The losses and metrics are never scaled. Datums sharing a
-    prompt prefix run it once (prefix_sharing.py)."""
-    passes = prefix_planning.plan([d["tokens"] for d in data], model.micro_batch_tokens, model.prefix_share_min_tokens)
+    prompt prefix run it once (prefix_sharing.py); a call with images runs every datum in full (the shared path
+    carries no image inputs, and equal placeholder tokens may stand for different images)."""
+    share = 0 if any("images" in d for d in data) else model.prefix_share_min_tokens
+    passes = prefix_planning.plan([d["tokens"] for d in data], model.micro_batch_tokens, share)
     reference = _reference_logprobs(model, data, passes) if policy_terms.wants_reference(config) else None
     entropy = policy_terms.wants_entropy(config)
     results = _Results(data, loss_fn, config, model.device, reference, loss_scale)
@@ -99,7 +105,12 @@ def _target_logprobs(model: TrainModel, rows: list[dict[str, np.ndarray]],
     has soft targets, ``_padded_targets``), and with ``entropy`` each position's entropy [B, T]."""
     ids, attention = _padded([r["tokens"] for r in rows], model.device)
     targets = _padded_targets([_targets(r) for r in rows], model.device)
-    logits = model.logits(input_ids=ids, attention_mask=attention, use_cache=False)
+    extra = {}
+    if any("images" in r for r in rows):
+        if model.image_inputs is None:
+            raise WorkerError(400, "unsupported_input", "data: image inputs need a vision-language model", "data")
+        extra = model.image_inputs(model.vision, ids, [r.get("images", ()) for r in rows], attention)
+    logits = model.logits(input_ids=ids, attention_mask=attention, use_cache=False, **extra)
     return token_logprobs(logits, targets), policy_terms.entropy(logits) if entropy else None
 
 
@@ -205,7 +216,7 @@ class _Results:
         for row, index in enumerate(indices):
             datum = self.data[index]
             n = len(datum["tokens"])
-            inputs = {k: torch.from_numpy(v).to(self.device) for k, v in datum.items() if k != "tokens"}
+            inputs = {k: torch.from_numpy(v).to(self.device) for k, v in datum.items() if k not in ("tokens", "images")}
             row_lp = _datum_logprobs(logprobs[row, :n], datum["target_tokens"])
             ref = self.reference[index] if self.reference is not None else None
             result = losses.compute_loss(self.loss_fn, row_lp, inputs, self.config, ref)

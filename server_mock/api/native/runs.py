@@ -77,8 +77,9 @@ class WireRow(Mapping):
 
 
 def forward_batch(op: ForwardOp) -> ForwardBatch:
+    images = [d.images for d in op.data] if any(d.images for d in op.data) else None
     return ForwardBatch(loss_fn=op.loss_fn, data=[WireRow(d, f"data[{i}]") for i, d in enumerate(op.data)],
-                        backward=op.op == "forward_backward", loss_fn_config=op.loss_fn_config)
+                        backward=op.op == "forward_backward", loss_fn_config=op.loss_fn_config, images=images)
 
 
 def encode_forward_result(result: dict) -> dict:

@@ -25,7 +25,7 @@ async def get_sampler(request: Request, tenant: str):
 
 
 async def sample(request: Request, tenant: str, body: SampleRequest):
-    job = service_of(request).samplers.submit(request.path_params["sampler_id"], body, tenant)
+    job = await service_of(request).samplers.submit_async(request.path_params["sampler_id"], body, tenant)
     return Accepted(request_id=job.request_id)
 
 

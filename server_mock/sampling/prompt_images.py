@@ -1,0 +1,57 @@
+"""Prompts with images in the decode loop: the prefill takes the images' pixel inputs (the vision encoder runs
+once per prefilled prompt, however many samples share it), every later step is text only.
+
+What the model needs beside the token ids comes from the served model's image processing (``vision``, an
+``engine.vision.ImageProcessing``): the pixel inputs and image-token type ids of the prefill, and for the Qwen
+families the 3-D M-RoPE positions. Those are passed explicitly at every step: the text after an image continues
+at ``its length + delta`` (the offset the image's grid leaves, per row), the same positions a full forward pass
+over prompt and completion gives it, so the sampler's logprobs match the trainer's. Positions never come from
+what transformers caches on the model between calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["ImagePrefill", "prefill"]
+
+
+@dataclass
+class ImagePrefill:
+    """The image side of one decoding batch."""
+
+    vision: Any
+    prefill_inputs: dict[str, Any]  # the prefill's image kwargs and position_ids
+    next_positions: torch.Tensor  # (B,) the position of each prefill row's next token
+
+    def step_inputs(self, positions: torch.Tensor, step_ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+        """The position_ids and extra kwargs of one decode step over ``step_ids`` (B, 1) at ``positions`` (B, 1)."""
+        extra: dict[str, Any] = {}
+        if self.vision.family.type_ids is not None:  # the sampled tokens are text (placeholders are never drawn)
+            extra[self.vision.family.type_ids] = torch.zeros_like(step_ids)
+        if self.vision.family.mrope:
+            positions = positions[None].expand(3, -1, -1)
+        return positions, extra
+
+
+def prefill(vision, specs: list, ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor | None,
+            lengths: list[int]) -> ImagePrefill | None:
+    """The image side of a batch whose prefill rows are ``specs`` (left-padded to ``ids`` under ``mask``, with the
+    text path's ``positions``); None when no prompt holds an image (the text path runs exactly as before)."""
+    if not any(spec.images for spec in specs):
+        return None
+    images = [span.image for spec in specs for span in spec.images]
+    inputs = vision.forward_inputs(ids, images, ids.device)
+    mrope, delta = vision.positions(ids, images, mask)
+    length = torch.tensor(lengths, device=ids.device)
+    if mrope is not None:
+        inputs["position_ids"] = mrope
+        next_positions = length + delta.reshape(-1).to(length.dtype)
+    else:
+        if positions is not None:
+            inputs["position_ids"] = positions
+        next_positions = length
+    return ImagePrefill(vision, inputs, next_positions)
