@@ -160,7 +160,7 @@ def test_bad_events_fail_naming_the_field_and_the_run_goes_on(raw_a, model_id):
             (fb(tokens=[5, 900, 7]), "token_id_out_of_range", "data[0].tokens"),
             (fb(gradient_accumulation=totals(1, 99)), "invalid_payload", "gradient_accumulation"),
             (fb(gradient_accumulation=totals(0, 7)), "invalid_payload", "total_samples"),
-            (image, "unsupported_input", "chunks[1]: image chunks are not supported"),
+            (image, "unsupported_input", "is text-only"),
             ({**fb(), "extra": 1}, "invalid_payload", "payload.extra"),
         ]
         for payload, code, words in cases:  # refused at submit, or when its turn comes (the worker's own checks)

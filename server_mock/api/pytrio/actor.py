@@ -86,13 +86,6 @@ def refusal(envelope: wire.EventEnvelopeIn, payload, run: TrainingRun) -> tuple[
         return None
     if run.init == "none":
         return "run_not_initialized", "send trainer.init_run first"
-    if isinstance(payload, wire.ForwardIn):
-        for i, datum in enumerate(payload.data):
-            chunk = datum.model_input.image_chunk()
-            if chunk is not None:
-                return "unsupported_input", (f"payload.data[{i}].model_input.chunks[{chunk}]: image chunks are not "
-                                             "supported by this worker (it serves text models); send encoded_text "
-                                             "chunks only")
     return None
 
 

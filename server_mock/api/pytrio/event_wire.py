@@ -18,6 +18,9 @@ from typing import Annotated, Any, ClassVar, Literal, Union
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
+from pytrio_compat.types.model_input import ImageChunk
+from pytrio_compat.wire import WireImage
+
 MAX_ID = 128
 MAX_SHORT = 64
 MAX_MODEL = 4096
@@ -62,8 +65,8 @@ class TextChunkIn(_Strict):
 
 
 class ImageChunkIn(_Strict):
-    """An image chunk: msgpack ``bin`` in events, standard base64 text in the JSON sample body. Parsed (bounded) so
-    that the field is known; the worker serves text models and refuses it after parsing."""
+    """An image chunk: msgpack ``bin`` in events, standard base64 text in the JSON sample body. Parsed (bounded) here;
+    decoded and checked against the model's processor by the service (``service.image_inputs``)."""
 
     type: Literal["image"] = "image"
     data: bytes = Field(min_length=1, max_length=MAX_IMAGE_BYTES)
@@ -100,6 +103,17 @@ class ModelInputIn(_Strict):
 
     def tokens(self) -> list[int]:
         return [t for c in self.chunks if isinstance(c, TextChunkIn) for t in c.tokens]
+
+    def images(self) -> list[WireImage] | None:
+        """The image chunks as the service takes them (each before the text token it precedes), or None."""
+        out, position = [], 0
+        for c in self.chunks:
+            if isinstance(c, TextChunkIn):
+                position += len(c.tokens)
+            else:
+                out.append(WireImage(position=position, chunk=ImageChunk(data=c.data, format=c.format,
+                                                                         expected_tokens=c.expected_tokens)))
+        return out or None
 
 
 # --- inbound: the envelope and the payloads -----------------------------------------------------------------------

@@ -39,12 +39,8 @@ def _finite(value: float | None) -> float | None:
 
 def service_request(body: SampleIn) -> SampleRequest:
     params = body.sampling_params
-    chunk = body.prompt.image_chunk()
-    if chunk is not None:
-        raise WorkerError(400, "unsupported_input", f"prompt.chunks[{chunk}]: image chunks are not supported by this "
-                                                    "worker (it serves text models)", f"prompt.chunks[{chunk}]")
     return SampleRequest(
-        prompt_tokens=body.prompt.tokens(), num_samples=body.num_samples,
+        prompt_tokens=body.prompt.tokens(), prompt_images=body.prompt.images(), num_samples=body.num_samples,
         sampling_params=WireSamplingParams(max_tokens=params.max_tokens, temperature=params.temperature,
                                            top_k=params.top_k, top_p=params.top_p, seed=params.seed, stop=params.stop,
                                            stop_token_ids=params.stop_token_ids),
@@ -79,7 +75,7 @@ async def sample(state: PytrioState, request: Request):
     body = await read_model(request, SampleIn, state.service.limits.max_body_bytes)
     task = run.samples.get(body.request_id)
     if task is None:
-        job = state.service.samplers.submit(run.sampler_id, service_request(body), run.tenant)
+        job = await state.service.samplers.submit_async(run.sampler_id, service_request(body), run.tenant)
         task = asyncio.ensure_future(job_result(job, lambda result: answer(run, body, result)))
         task.add_done_callback(lambda t: t.cancelled() or t.exception())  # read by respond(); never "unretrieved"
         run.samples[body.request_id] = task

@@ -130,8 +130,10 @@ def forward_batch(payload: wire.ForwardIn, backward: bool) -> ForwardBatch:
                 row[name] = _shifted(values, pad, dtype) if shift else np.asarray(values, dtype=dtype)
         rows.append(row)
     denominator = max(1, payload.gradient_accumulation.total_active_tokens)
+    images = [datum.model_input.images() for datum in payload.data]
     return ForwardBatch(loss_fn=payload.loss.type, data=rows, backward=backward,
-                        loss_fn_config=dict(payload.loss.config), loss_scale=1.0 / denominator if backward else 1.0)
+                        loss_fn_config=dict(payload.loss.config), loss_scale=1.0 / denominator if backward else 1.0,
+                        images=images if any(images) else None)
 
 
 def _unshift(array: np.ndarray) -> np.ndarray:

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 
+from pydantic import ValidationError
 from starlette.requests import Request
 
-from pytrio_compat.wire import CreateSampler, SampleRequest, WireSamplingParams
+from pytrio_compat.types.model_input import ImageChunk
+from pytrio_compat.wire import CreateSampler, SampleRequest, WireImage, WireSamplingParams
 from server_mock.api.tinker import provenance, schemas
 from server_mock.api.tinker.endpoint import read
 from server_mock.api.tinker.futures import raise_
@@ -68,10 +70,17 @@ def sample_request(state: TinkerState, body: schemas.Asample, max_seq_len: int |
     if body.prompt is None:
         raise bad_request("prompt.chunks", "required: a list of chunks")
     tokens: list[int] = []
+    images: list[WireImage] = []
     for i, chunk in enumerate(body.prompt.chunks):
+        if chunk.type == "image":
+            images.append(_image_chunk(chunk, len(tokens), f"prompt.chunks[{i}]"))
+            continue
         if chunk.type != "encoded_text":
-            raise bad_request(f"prompt.chunks[{i}]", f"{chunk.type[:60]!r} chunks are not supported (text models only)")
+            raise bad_request(f"prompt.chunks[{i}]", f"{chunk.type[:60]!r} chunks are not supported (text and "
+                                                     "inline image chunks are)")
         tokens.extend(chunk.tokens or [])
+    if images and body.record_stability_info is True:
+        raise bad_request("record_stability_info", "not taken for a prompt with image chunks")
     for name in ("topk_sample_logprobs", "prompt_alt_tokens_k"):
         if getattr(body, name):
             raise bad_request(name, "not supported by this worker")
@@ -88,7 +97,7 @@ def sample_request(state: TinkerState, body: schemas.Asample, max_seq_len: int |
     if last_n is not None and (not want_prompt or not 1 <= last_n < len(tokens)):
         raise bad_request("prompt_logprobs_last_n", f"needs prompt_logprobs and must be in [1, {len(tokens) - 1}]")
     wire = SampleRequest(
-        prompt_tokens=tokens, num_samples=body.num_samples,
+        prompt_tokens=tokens, prompt_images=images or None, num_samples=body.num_samples,
         sampling_params=WireSamplingParams(
             max_tokens=max_tokens, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
             seed=params.seed, stop=stop_strings, stop_token_ids=stop_ids),
@@ -96,6 +105,21 @@ def sample_request(state: TinkerState, body: schemas.Asample, max_seq_len: int |
         return_text=False,
     )
     return wire, last_n, wire.topk_prompt_logprobs
+
+
+def _image_chunk(chunk: schemas.Chunk, position: int, where: str) -> WireImage:
+    """A JSON image chunk (``{type: image, data: base64, format, expected_tokens?}``) as the service takes it."""
+    if chunk.tokens is not None:
+        raise bad_request(f"{where}.tokens", "an image chunk carries data, not tokens")
+    if not chunk.data:
+        raise bad_request(f"{where}.data", "required: the image's bytes in standard base64", code="invalid_image")
+    try:
+        image = ImageChunk(data=chunk.data, format=chunk.format, expected_tokens=chunk.expected_tokens)
+    except ValidationError as exc:
+        problem = exc.errors()[0]
+        name = ".".join(str(p) for p in problem["loc"]) or "data"
+        raise bad_request(f"{where}.{name}", problem["msg"], code="invalid_image") from None
+    return WireImage(position=position, chunk=image)
 
 
 def _last_n(values: list, last_n: int | None) -> list:
@@ -148,7 +172,7 @@ async def asample(state: TinkerState, request: Request, tenant: str):
             raise bad_request("record_stability_info", provenance.NO_SESSION)
         host = await service.models.host(sampler.base_model)
         wire, last_n, topk = sample_request(state, body, host.max_seq_len)
-        job = service.samplers.submit(sampler.sampler_id, wire, tenant)
+        job = await service.samplers.submit_async(sampler.sampler_id, wire, tenant)
     except WorkerError as exc:
         if exc.status == 429:  # backpressure: the client waits a moment and re-sends
             raise

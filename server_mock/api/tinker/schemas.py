@@ -141,6 +141,10 @@ class CreateSamplingSession(TinkerBody):
 class Chunk(TinkerBody):
     type: StrictStr = "encoded_text"
     tokens: bounded_list(StrictInt, MAX_TOKENS) | None = None
+    # an image chunk: base64 bytes, png or jpeg, and the client's token count (checked by the worker)
+    data: StrictStr | None = None
+    format: StrictStr | None = None
+    expected_tokens: StrictInt | None = None
 
 
 class Prompt(TinkerBody):

@@ -66,8 +66,9 @@ def decode_forward(raw: bytes, budget: proto.ElementBudget) -> DecodedForward:
         out.error = exc
         return out
     data = [{**d.loss_fn_inputs, "tokens": d.tokens} for d in req.data]  # a loss input named "tokens" is not one
+    images = [d.images for d in req.data] if any(d.images for d in req.data) else None
     out.op = ForwardBatch(loss_fn=req.loss_fn, data=data, backward=not req.forward_only,
-                          loss_fn_config=req.loss_fn_config)
+                          loss_fn_config=req.loss_fn_config, images=images)
     out.spans = [(d.model_input_spans, d.loss_fn_input_spans) for d in req.data]
     out.size = sum(DATUM_OVERHEAD_BYTES + sum(array.nbytes for array in row.values()) for row in data)
     return out

@@ -20,6 +20,8 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from server_mock.api.tinker.proto import tinker_wire_pb2 as pb
+from pytrio_compat.types.model_input import ImageChunk
+from pytrio_compat.wire import WireImage
 from server_mock.service.stability import Span
 
 DTYPE_FLOAT32 = pb.DTYPE_FLOAT32
@@ -152,6 +154,7 @@ class ProtoDatum:
     # provenance (Datum.with_provenance): runs tiling model_input and target_tokens, both or neither
     model_input_spans: list[Span] | None = None
     loss_fn_input_spans: list[Span] | None = None
+    images: list[WireImage] | None = None  # image chunks, each before text token ``position`` of ``tokens``
 
 
 MAX_SEQUENCE_ID_CHARS = 256
@@ -208,23 +211,27 @@ def parse_forward_backward_request(buf: bytes) -> pb.ForwardBackwardRequest:
 def _decode_datum(datum: pb.Datum, index: int, budget: ElementBudget) -> ProtoDatum:
     where = f"data[{index}]"
     tokens: list[np.ndarray] = []
+    images: list[WireImage] = []
     for j, chunk in enumerate(datum.model_input):
         kind = chunk.WhichOneof("chunk")
         if kind == "encoded_text":
             budget.take_tokens(len(chunk.encoded_text.tokens) // 4, f"{where}.model_input")
             tokens.append(_array_from_bytes(chunk.encoded_text.tokens, DTYPE_INT32, f"{where}.model_input[{j}]"))
         elif kind == "image":
-            raise ProtoError(f"{where}.model_input[{j}]", "image chunks are not supported (text models only)")
+            images.append(_image(chunk.image, sum(len(t) for t in tokens), f"{where}.model_input[{j}]"))
         elif kind == "dmel":
             raise ProtoError(f"{where}.model_input[{j}]", "audio (dmel) chunks are not supported")
         else:
             raise ProtoError(f"{where}.model_input[{j}]", "an empty chunk (expected encoded_text)")
-    if not any(len(t) for t in tokens):  # refused now: a body of empty datums would cost decoding for nothing
+    # refused now: a body of empty datums would cost decoding for nothing
+    if not any(len(t) for t in tokens) and not images:
         raise ProtoError(f"{where}.model_input", "a datum needs at least one token")
     inputs = {key: decode_tensor(value, f"{where}.loss_fn_inputs.{key}", budget)
               for key, value in datum.loss_fn_inputs.items()}
     all_tokens = np.concatenate(tokens) if tokens else np.zeros(0, dtype=np.int64)
-    out = ProtoDatum(all_tokens.astype(np.int64, copy=False), inputs)
+    out = ProtoDatum(all_tokens.astype(np.int64, copy=False), inputs, images=images or None)
+    if images and (datum.model_input_spans or datum.loss_fn_input_spans):
+        raise ProtoError(f"{where}.model_input_spans", "provenance spans are not taken on a datum with image chunks")
     if datum.model_input_spans or datum.loss_fn_input_spans:
         if not (datum.model_input_spans and datum.loss_fn_input_spans):
             raise ProtoError(f"{where}.model_input_spans", "model_input_spans and loss_fn_input_spans are set "
@@ -235,6 +242,19 @@ def _decode_datum(datum: pb.Datum, index: int, budget: ElementBudget) -> ProtoDa
         out.loss_fn_input_spans = _decode_spans(datum.loss_fn_input_spans, f"{where}.loss_fn_input_spans",
                                                 None if targets is None or targets.ndim == 0 else len(targets), budget)
     return out
+
+
+def _image(chunk, position: int, where: str) -> WireImage:
+    """An image chunk as the service takes it (its bytes are decoded and bounded there)."""
+    if not chunk.data:
+        raise ProtoError(f"{where}.image.data", "is empty")
+    if chunk.format not in ("png", "jpeg"):
+        raise ProtoError(f"{where}.image.format", f"must be png or jpeg, got {chunk.format[:40]!r}")
+    expected = chunk.expected_tokens if chunk.HasField("expected_tokens") else None
+    if expected is not None and expected < 1:
+        raise ProtoError(f"{where}.image.expected_tokens", f"must be >= 1, got {expected}")
+    return WireImage(position=position, chunk=ImageChunk(data=chunk.data, format=chunk.format,
+                                                         expected_tokens=expected))
 
 
 def decode_forward_backward_request(buf: bytes | pb.ForwardBackwardRequest,
