@@ -42,14 +42,7 @@ def validate_batch(
         for key in required:
             if key not in datum.loss_fn_inputs:
                 raise ValueError(f"{key} is required (sample {index}, loss {name})")
-        tokens, images = datum.model_input.text_and_images()
-        for _, chunk in images:
-            if chunk.expected_tokens is None:
-                raise ValidationError(f"sample {index}: an ImageChunk needs expected_tokens in training data (the "
-                                      "loss inputs cover the image's tokens too)",
-                                      code="validation.image_expected_tokens_missing",
-                                      details={"sample_index": index},
-                                      hint="count with the model's image processor (the rendered prompt's count)")
+        tokens, images = _images_counted(datum, index)
         seq_len = len(tokens) + sum(chunk.expected_tokens for _, chunk in images)
         if seq_len < 1:
             raise ValidationError(f"sample {index} has an empty model_input", code="validation.empty_training_sample",
@@ -81,6 +74,26 @@ def validate_batch(
         wire.append(WireDatum(tokens=WireTensor.from_array(np.asarray(tokens, dtype=np.int64)), loss_fn_inputs=inputs,
                               images=[WireImage(position=at, chunk=chunk) for at, chunk in images] or None))
     return name, wire
+
+
+def _images_counted(datum: Datum, index: int):
+    """The datum's text tokens and images, each image with its ``expected_tokens``: one image left without it gets
+    what the loss inputs' length leaves for it (as PyTRIO infers it); more than one cannot be inferred."""
+    tokens, images = datum.model_input.text_and_images()
+    missing = [k for k, (_, chunk) in enumerate(images) if chunk.expected_tokens is None]
+    if not missing:
+        return tokens, images
+    target = datum.loss_fn_inputs.get("target_tokens")
+    known = len(tokens) + sum(chunk.expected_tokens or 0 for _, chunk in images)
+    left = (list(target.shape or [])[:1] or [0])[0] - known if target is not None else 0
+    if len(missing) > 1 or left < 1:
+        raise ValidationError(f"sample {index}: set expected_tokens on its image chunks (it can be inferred from "
+                              "the loss inputs' length for one image only)",
+                              code="validation.image_expected_tokens_missing", details={"sample_index": index},
+                              hint="count with the model's image processor (the rendered prompt's count)")
+    at, chunk = images[missing[0]]
+    images[missing[0]] = (at, chunk.model_copy(update={"expected_tokens": left}))
+    return tokens, images
 
 
 def _check_ids(field: str, ids: list[int], vocab_size: int, sample: int, allow_ignore: bool) -> None:

@@ -112,6 +112,10 @@ class ImageProcessing:
         if image_token_id is None:
             image_token_id = getattr(config, "image_token_index", None)
         self.image_token_id = int(image_token_id)
+        # the one token a chat template puts where an image goes (the processor's marker, or Qwen's <|image_pad|>
+        # between the template's <|vision_start|> and <|vision_end|>): what an image chunk replaces
+        marker = processor.image_token if processor is not None else None
+        self.marker_id = int(tokenizer.convert_tokens_to_ids(marker)) if marker else self.image_token_id
 
     def prepare(self, decoded: DecodedImage) -> PreparedImage:
         """The tokens and pixel inputs of one decoded image."""

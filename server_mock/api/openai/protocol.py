@@ -7,6 +7,8 @@ nothing and is accepted; any other value of an unsupported field is refused, nev
 
 from __future__ import annotations
 
+import base64
+import binascii
 import math
 import reprlib
 from dataclasses import dataclass, field
@@ -143,7 +145,8 @@ class Generation:
     logprobs: bool
     top_logprobs: int
     return_token_ids: bool
-    messages: list[dict[str, str]] = field(default_factory=list)  # chat
+    messages: list[dict] = field(default_factory=list)  # chat
+    images: list[tuple[bytes, str, str]] = field(default_factory=list)  # chat: (bytes, format, part), in order
     prompts: list[str | list[int]] = field(default_factory=list)  # completions
 
 
@@ -157,21 +160,31 @@ def parse_chat(body: bytes, max_samples: int, max_sample_tokens: int) -> Generat
     if not req.messages:
         raise invalid("messages", "must hold at least one message")
     messages = []
+    images: list[tuple[bytes, str, str]] = []
     for i, message in enumerate(req.messages):
         if message.role not in ROLES:
             tools = " (tool calling is not supported)" if message.role in ("tool", "function") else ""
             raise invalid(f"messages[{i}].role", f"{_short(message.role)} is not supported; use one of "
                                                  f"{', '.join(ROLES)}{tools}")
         if isinstance(message.content, str):
-            text = message.content
+            content: str | list[dict] = message.content
         else:
+            parts: list[dict] = []
             for j, part in enumerate(message.content):
-                if part.type != "text" or part.text is None:
+                if part.type == "image_url":
+                    images.append(_data_url_image(part, f"messages[{i}].content[{j}]"))
+                    parts.append({"type": "image"})
+                elif part.type != "text" or part.text is None:
                     raise invalid(f"messages[{i}].content[{j}]", f"{_short(part.type)} parts are not supported: "
-                                  "this worker serves text models (send {\"type\": \"text\", \"text\": ...})",
+                                  "send {\"type\": \"text\", \"text\": ...} or {\"type\": \"image_url\", "
+                                  "\"image_url\": {\"url\": \"data:image/png;base64,...\"}}",
                                   code="unsupported_parameter")
-            text = "".join(part.text or "" for part in message.content)
-        messages.append({"role": message.role, "content": text})
+                else:
+                    parts.append({"type": "text", "text": part.text})
+            text = "".join(part.get("text", "") for part in parts)
+            # text-only content renders as one string, as it always has; with images the template gets the parts
+            content = parts if any(part["type"] == "image" for part in parts) else text
+        messages.append({"role": message.role, "content": content})
     if req.max_tokens is not None and req.max_completion_tokens is not None \
             and req.max_tokens != req.max_completion_tokens:
         raise invalid("max_completion_tokens", "differs from max_tokens; send one of them")
@@ -184,7 +197,36 @@ def parse_chat(body: bytes, max_samples: int, max_sample_tokens: int) -> Generat
     gen = _common(req, req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens,
                   limit_field, max_samples, max_sample_tokens, 1, req.logprobs, top)
     gen.messages = messages
+    gen.images = images
+    if images and top:
+        raise invalid("top_logprobs", "is not served for a chat with images")
     return gen
+
+
+DATA_URL_FORMATS = {"image/png": "png", "image/jpeg": "jpeg", "image/jpg": "jpeg"}
+
+
+def _data_url_image(part: _Part, where: str) -> tuple[bytes, str, str]:
+    """An ``image_url`` part's image: (bytes, format, where). Only ``data:`` URLs: the worker fetches nothing."""
+    spec = (part.__pydantic_extra__ or {}).get("image_url")
+    url = spec.get("url") if isinstance(spec, dict) else spec
+    field_name = f"{where}.image_url.url"
+    if not isinstance(url, str) or not url:
+        raise invalid(field_name, "required: a data: URL (data:image/png;base64,...)")
+    if not url.startswith("data:"):
+        raise invalid(field_name, f"{_short(url.split(':', 1)[0])} URLs are not fetched by this worker; send the "
+                                  "image inline as a data: URL (data:image/png;base64,...)",
+                      code="unsupported_parameter")
+    head, sep, payload = url[5:].partition(",")
+    mime, _, encoding = head.partition(";")
+    if not sep or encoding != "base64" or mime.lower() not in DATA_URL_FORMATS:
+        raise invalid(field_name, f"must be data:image/png;base64,... or data:image/jpeg;base64,... (got "
+                                  f"{_short('data:' + head)})", code="invalid_image")
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise invalid(field_name, "the data: URL's payload is not standard base64", code="invalid_image") from None
+    return data, DATA_URL_FORMATS[mime.lower()], where
 
 
 def parse_completion(body: bytes, max_samples: int, max_sample_tokens: int) -> Generation:

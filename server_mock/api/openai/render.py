@@ -22,7 +22,7 @@ class Choice:
     token_ids: list[int]  # every sampled token, exactly as native sample returns them
 
 
-def render_chat(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+def render_chat(tokenizer, messages: list[dict]) -> list[int]:
     """The prompt of a chat: the model's chat template with the assistant turn opened."""
     if not getattr(tokenizer, "chat_template", None):
         raise WorkerError(400, "no_chat_template", "model: this model has no chat template; use /completions with "
@@ -33,6 +33,25 @@ def render_chat(tokenizer, messages: list[dict[str, str]]) -> list[int]:
         raise WorkerError(400, "invalid_value", f"messages: the model's chat template refused them: {exc}",
                           "messages") from None
     return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def split_images(tokens: list[int], marker_id: int | None, images: list[tuple[bytes, str, str]],
+                 ) -> tuple[list[int], list[tuple[int, bytes, str, str]]]:
+    """A rendered chat with images: its text tokens without the template's image markers, and each image with the
+    number of text tokens before it (where its marker was)."""
+    if not images:
+        return tokens, []
+    text: list[int] = []
+    placed: list[tuple[int, bytes, str, str]] = []
+    for token in tokens:
+        if token == marker_id and len(placed) < len(images):
+            placed.append((len(text), *images[len(placed)]))
+        else:
+            text.append(token)
+    if len(placed) != len(images):
+        raise WorkerError(400, "invalid_value", f"messages: the model's chat template placed {len(placed)} of the "
+                                                f"{len(images)} images", "messages")
+    return text, placed
 
 
 def encode_prompt(tokenizer, prompt: str | list[int]) -> list[int]:

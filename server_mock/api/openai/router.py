@@ -25,6 +25,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
+from pytrio_compat.types.model_input import ImageChunk
+from pytrio_compat.wire import WireImage
 from server_mock.api import bodies
 from server_mock.api.auth import Auth
 from server_mock.api.browser_safety import JSON, require_media_type
@@ -103,8 +105,20 @@ async def chat_completions(gen: Generator, request: Request, tenant: str):
                                                                       limits.max_sample_tokens))
     sampler_id, host = await gen.resolve(req.model, tenant)
     prompt = render.render_chat(host.tokenizer, req.messages)
-    jobs = gen.submit_all(sampler_id, host, [prompt], req, tenant, "messages")
+    images = None
+    if req.images:
+        if host.vision is None:
+            raise WorkerError(400, "unsupported_parameter", f"messages: image_url parts need a vision-language "
+                                                            f"model; {req.model} is text-only", "messages")
+        prompt, placed = render.split_images(prompt, host.vision.marker_id, req.images)
+        images = [WireImage(position=at, chunk=ImageChunk(data=data, format=fmt)) for at, data, fmt, _ in placed]
+    try:
+        jobs = await gen.submit_all(sampler_id, host, [prompt], req, tenant, "messages", [images])
+    except WorkerError as exc:
+        raise _image_part_error(exc, req) from None
     work = functools.partial(gen.choices, sampler_id, host, [prompt], jobs, req, tenant, "messages")
+    # the prompt's length as the model reads it: with images, their tokens too (the checked request's)
+    prompt_len = len(jobs[0].payload[0].prompt_tokens) if images else len(prompt)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     if req.stream:
         head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": req.model,
@@ -113,14 +127,28 @@ async def chat_completions(gen: Generator, request: Request, tenant: str):
                  for i in range(req.n)]
         chunks = functools.partial(render.chat_chunks, host.tokenizer)
         return _stream(head, first, work, lambda c: chunks(c, req.logprobs, req.return_token_ids)[1:], req,
-                       len(prompt))
+                       prompt_len)
     choices = await work()
     body = {"id": rid, "object": "chat.completion", "created": created, "model": req.model,
             "choices": [render.chat_choice(host.tokenizer, c, req.logprobs, req.return_token_ids) for c in choices],
-            "usage": render.usage(len(prompt), choices), "system_fingerprint": None}
+            "usage": render.usage(prompt_len, choices), "system_fingerprint": None}
     if req.return_token_ids:
         body["prompt_token_ids"] = prompt
     return body
+
+
+def _image_part_error(exc: WorkerError, req: Generation) -> WorkerError:
+    """A service error about ``prompt_images[k]...`` named by the content part that carried image k."""
+    field_name = exc.field or ""
+    if not field_name.startswith("prompt_images["):
+        return exc
+    k = int(field_name[len("prompt_images["):field_name.index("]")])
+    prefix, to = f"prompt_images[{k}]", req.images[k][2]
+    if field_name.startswith(prefix + ".chunk"):
+        prefix, to = prefix + ".chunk", to + ".image_url"
+    part = to + field_name[len(prefix):]
+    message = exc.message.replace(prefix, to)
+    return WorkerError(exc.status, exc.code, message, part)
 
 
 async def completions(gen: Generator, request: Request, tenant: str):
@@ -129,7 +157,7 @@ async def completions(gen: Generator, request: Request, tenant: str):
                                                                             limits.max_sample_tokens))
     sampler_id, host = await gen.resolve(req.model, tenant)
     prompts = [render.encode_prompt(host.tokenizer, p) for p in req.prompts]
-    jobs = gen.submit_all(sampler_id, host, prompts, req, tenant, "prompt")
+    jobs = await gen.submit_all(sampler_id, host, prompts, req, tenant, "prompt")
     work = functools.partial(gen.choices, sampler_id, host, prompts, jobs, req, tenant, "prompt")
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     prompt_tokens = sum(len(p) for p in prompts)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 from collections import OrderedDict
 
-from pytrio_compat.wire import CreateSampler, SampleRequest, WireSamplingParams
+from pytrio_compat.wire import CreateSampler, SampleRequest, WireImage, WireSamplingParams
 from server_mock.api.openai.protocol import Generation
 from server_mock.api.openai.render import Choice, finish
 from server_mock.engine.queue import job_result
@@ -24,7 +24,7 @@ from server_mock.service.worker import WorkerService
 MAX_CACHED_SAMPLERS = 4096
 
 # native field -> OpenAI field, for the errors the service raises (``None``: the prompt's field)
-_PARAMS = {"prompt_tokens": None, "num_samples": "n", "sampling_params.max_tokens": "max_tokens",
+_PARAMS = {"prompt_tokens": None, "prompt_images": None, "num_samples": "n", "sampling_params.max_tokens": "max_tokens",
            "sampling_params.temperature": "temperature", "sampling_params.top_p": "top_p",
            "sampling_params.top_k": "top_k", "sampling_params.stop": "stop", "sampling_params.seed": "seed",
            "topk_prompt_logprobs": "top_logprobs", "model_path": "model", "base_model": "model"}
@@ -84,12 +84,21 @@ class Generator:
         host = await self.service.models.host(sampler.base_model, "model")
         return sampler.sampler_id, host
 
-    def submit_all(self, sampler_id: str, host, prompts: list[list[int]], gen: Generation, tenant: str,
-                   prompt_field: str) -> list:
-        """Check every prompt, then queue each one's ``n`` samples; returns the service jobs."""
+    async def submit_all(self, sampler_id: str, host, prompts: list[list[int]], gen: Generation, tenant: str,
+                         prompt_field: str, images: list[list[WireImage] | None] | None = None) -> list:
+        """Check every prompt, then queue each one's ``n`` samples; returns the service jobs. ``images[i]``: the
+        images of prompt i (decoded and checked in a worker thread by the service)."""
         requests = [self.prepare(host, prompt, gen, prompt_field, f" of prompt {i}" if len(prompts) > 1 else "")
                     for i, prompt in enumerate(prompts)]
-        return [self._submit(sampler_id, r, tenant, prompt_field, gen.max_tokens_field) for r in requests]
+        for request, prompt_images in zip(requests, images or []):
+            request.prompt_images = prompt_images
+        jobs = []
+        for r in requests:
+            try:
+                jobs.append(await self.service.samplers.submit_async(sampler_id, r, tenant))
+            except WorkerError as exc:
+                raise openai_error(exc, prompt_field, gen.max_tokens_field) from None
+        return jobs
 
     def prepare(self, host, prompt: list[int], gen: Generation, prompt_field: str, which: str = "") -> SampleRequest:
         """One prompt's native sample request, checked against the vocabulary and the model's context."""

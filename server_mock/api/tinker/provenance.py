@@ -9,6 +9,8 @@ records themselves are the service's (service/stability.py).
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections.abc import Sequence
 
 import numpy as np
@@ -47,7 +49,7 @@ def with_recorded_inputs(records: StabilityRecords, tenant: str, scope: str, op:
             advantages = _vector(datum, "advantages", n, where)
             datum["recorded_logprobs"], datum["recorded_mask"] = records.resolve(
                 tenant, scope, where, datum["tokens"], targets, advantages, model_spans, loss_spans)
-    return ForwardBatch(loss_fn=op.loss_fn, data=data, backward=op.backward, loss_fn_config=op.loss_fn_config)
+    return dataclasses.replace(op, data=data)  # the rest as sent (loss, config, images)
 
 
 def _vector(datum: dict, key: str, n: int, where: str) -> np.ndarray:
