@@ -17,6 +17,7 @@ recipes/grpo_variants.py.
 import time
 
 from grpo_lib import (
+    as_model_input,
     EVAL_GRADERS,
     PROMPTS,
     MetricsLogger,
@@ -36,7 +37,7 @@ from grpo_lib import (
     make_service_client,
     num_steps,
     ppo_bounds,
-    render_prompt,
+    row_prompt,
     resolve_log_dir,
     sample_seed,
     should_eval,
@@ -92,14 +93,14 @@ def main(argv=None):
 
         # 2. Rollouts: group_size completions per prompt, one prompt after the other.
         def rollouts(rows, first, sampler=sampler, step=step, stats=stats):
-            prompts = [render_prompt(tokenizer, row["question"], fewshot, suffix) for row in rows]
+            prompts = [row_prompt(tokenizer, row, fewshot, suffix) for row in rows]
             results = []
             with stats.timer("time/sample"):
                 for i, prompt in enumerate(tqdm(prompts, desc=f"step {step}", unit="prompt", leave=False)):
                     params = trio.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                                  top_p=args.top_p, stop=stop,
                                                  seed=sample_seed(args.seed, step, first + i))
-                    results.append(sampler.sample(prompt=trio.ModelInput.from_ints(prompt),
+                    results.append(sampler.sample(prompt=as_model_input(prompt),
                                                   num_samples=args.group_size, sampling_params=params).result())
             return list(zip(prompts, rows, results))
 

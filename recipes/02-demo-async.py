@@ -17,6 +17,7 @@ import asyncio
 import time
 
 from grpo_lib import (
+    as_model_input,
     EVAL_GRADERS,
     PROMPTS,
     MetricsLogger,
@@ -36,7 +37,7 @@ from grpo_lib import (
     make_service_client,
     num_steps,
     ppo_bounds,
-    render_prompt,
+    row_prompt,
     resolve_log_dir,
     sample_seed,
     should_eval,
@@ -79,7 +80,7 @@ async def run(args):
     async def sample_group(sampler, prompt, seed, bar):
         params = trio.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                      top_p=args.top_p, stop=stop, seed=seed)
-        result = await sampler.sample_async(prompt=trio.ModelInput.from_ints(prompt),
+        result = await sampler.sample_async(prompt=as_model_input(prompt),
                                             num_samples=args.group_size, sampling_params=params)
         bar.update(1)
         return result
@@ -100,7 +101,7 @@ async def run(args):
 
         # 2. Rollouts: every prompt's group in flight at once; the bar advances as each group finishes.
         async def rollouts(rows, first, sampler=sampler, step=step, stats=stats):
-            prompts = [render_prompt(tokenizer, row["question"], fewshot, suffix) for row in rows]
+            prompts = [row_prompt(tokenizer, row, fewshot, suffix) for row in rows]
             bar = tqdm(total=len(prompts), desc=f"step {step}", unit="prompt", leave=False)
             with stats.timer("time/sample"):
                 results = await asyncio.gather(*(

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from countdown import countdown_rows
 from grpo_options import DATASETS
+from shapes import shapes_rows
 
 HUB_HINT = (
     "Pass --data-file with a local copy instead: a folder with train/test .jsonl or .parquet files "
@@ -32,14 +33,17 @@ def load_rows(
     gsm8k: from `data_file` (a .jsonl/.parquet file, or a folder with `<split>.jsonl` / `<split>.parquet` /
     `<split>-*.parquet`) when given, else `datasets.load_dataset("openai/gsm8k", "main", split=split)`;
     rows keep the file order. arithmetic: generated 2-digit additions, ordered by `seed`. countdown: generated
-    problems drawn by `seed` (`countdown.countdown_rows`; the rows also hold `numbers` and `target`).
+    problems drawn by `seed` (`countdown.countdown_rows`; the rows also hold `numbers` and `target`). shapes:
+    generated pictures to count shapes in (`shapes.shapes_rows`; the rows also hold the PNG `image`).
     """
-    if dataset in ("arithmetic", "countdown") and data_file is not None:
+    if dataset in ("arithmetic", "countdown", "shapes") and data_file is not None:
         raise ValueError("--data-file is only used with --dataset gsm8k")
     if dataset == "arithmetic":
         rows = arithmetic_rows(split, seed)
     elif dataset == "countdown":
         return countdown_rows(split, seed, n)  # generated one by one: only the first n
+    elif dataset == "shapes":
+        return shapes_rows(split, seed, n)  # generated pictures (shapes.py): only the first n
     elif dataset == "gsm8k":
         rows = _read_rows(_split_file(Path(data_file), split)) if data_file else _load_hub_gsm8k(split)
     else:

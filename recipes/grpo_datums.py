@@ -35,12 +35,14 @@ def build_datum(
     advantages    = [0.0]*(P-1) + [A]*C
     weights       = [0.0]*(P-1) + [weight]*C   (only when `weight` is given: grpo_variants.py)
     """
-    prompt, completion = [int(t) for t in prompt_tokens], [int(t) for t in completion_tokens]
-    if not prompt or not completion:
+    image_prompt = isinstance(prompt_tokens, trio.ModelInput)  # image + text (shapes.py), its images counted
+    prompt = prompt_tokens if image_prompt else [int(t) for t in prompt_tokens]
+    completion = [int(t) for t in completion_tokens]
+    if not (prompt.chunks if image_prompt else prompt) or not completion:
         raise ValueError("build_datum needs a non-empty prompt and completion")
     if len(completion_logprobs) != len(completion):
         raise ValueError(f"{len(completion)} completion tokens but {len(completion_logprobs)} logprobs")
-    pad = len(prompt) - 1
+    pad = (prompt.length if image_prompt else len(prompt)) - 1
     inputs = {
         "target_tokens": [0] * pad + completion,
         "logprobs": [0.0] * pad + [float(x) for x in completion_logprobs],
@@ -48,7 +50,11 @@ def build_datum(
     }
     if weight is not None:
         inputs["weights"] = [0.0] * pad + [float(weight)] * len(completion)
-    return trio.Datum(model_input=trio.ModelInput.from_ints(prompt + completion[:-1]), loss_fn_inputs=inputs)
+    if image_prompt:
+        model_input = trio.ModelInput(chunks=[*prompt.chunks, trio.types.EncodedTextChunk(tokens=completion[:-1])])
+    else:
+        model_input = trio.ModelInput.from_ints(prompt + completion[:-1])
+    return trio.Datum(model_input=model_input, loss_fn_inputs=inputs)
 
 
 def count_train_tokens(datums: Sequence[trio.Datum]) -> int:

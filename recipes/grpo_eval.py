@@ -10,19 +10,20 @@ from typing import Any
 import pytrio_compat as trio
 from countdown import grade_countdown
 from grpo_grading import grade
-from grpo_prompts import FEWSHOT_PREFIX, QUESTION_SUFFIX, completion_text, render_prompt, stop_sequences
+from grpo_prompts import FEWSHOT_PREFIX, QUESTION_SUFFIX, as_model_input, completion_text, row_prompt, stop_sequences
 
 Grader = Callable[[str, str], float]  # (completion text, the row's answer) -> 1.0 right / 0.0 wrong
 
 # What counts as a right answer to a held-out question: the boxed number (gsm8k, arithmetic) or a boxed
 # expression that solves the Countdown problem (without the format bonus the training reward gives).
-EVAL_GRADERS: dict[str, Grader] = {"gsm8k": grade, "arithmetic": grade, "countdown": grade_countdown}
+EVAL_GRADERS: dict[str, Grader] = {"gsm8k": grade, "arithmetic": grade, "countdown": grade_countdown,
+                                   "shapes": grade}
 
 
 def _prompts(tokenizer: Any, rows: Sequence[dict], fewshot: Sequence[dict], suffix: str) -> list[trio.ModelInput]:
     if not rows:
         raise ValueError("evaluate needs at least one row")
-    return [trio.ModelInput.from_ints(render_prompt(tokenizer, row["question"], fewshot, suffix)) for row in rows]
+    return [as_model_input(row_prompt(tokenizer, row, fewshot, suffix)) for row in rows]
 
 
 def _greedy_params(tokenizer: Any, max_tokens: int) -> trio.SamplingParams:

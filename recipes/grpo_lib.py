@@ -34,7 +34,7 @@ from grpo_variants import (
 )
 from grpo_prompts import (
     QUESTION_SUFFIX, FEWSHOT_PREFIX, ARITHMETIC_FEWSHOT_PREFIX, FEWSHOT, Prompting, PROMPTS, build_messages,
-    render_prompt, stop_sequences, completion_text,
+    render_prompt, row_prompt, as_model_input, stop_sequences, completion_text,
 )
 from grpo_grading import (
     extract_boxed, normalize_number, gsm8k_final_answer, grade, upstream_grade,

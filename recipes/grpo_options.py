@@ -14,7 +14,7 @@ from grpo_variants import add_variant_options, check_variant_options, policy_con
 
 LOSS_FNS = ("importance_sampling", "ppo", "cispo")
 SWANLAB_MODES = ("online", "local", "offline", "disabled")
-DATASETS = ("gsm8k", "arithmetic", "countdown")
+DATASETS = ("gsm8k", "arithmetic", "countdown", "shapes")
 
 
 # Defaults that depend on --dataset. gsm8k: the upstream PyTRIO GSM8K demos. arithmetic: the CPU demo of
@@ -31,6 +31,11 @@ DATASET_DEFAULTS: dict[str, dict[str, Any]] = {
     "countdown": {"base_model": "HuggingFaceTB/SmolLM2-135M-Instruct", "lora_rank": 16, "train_unembed": True,
                   "steps": 20, "group_size": 8, "max_tokens": 96, "learning_rate": 2e-4, "beta2": 0.95,
                   "adam_eps": 1e-12, "eval_every": 10, "eval_size": 100},
+    # shapes (recipes/shapes.py): count the shapes in a generated picture; needs a vision-language model (the
+    # recipes' default Qwen3.5 is one). Not tuned.
+    "shapes": {"base_model": "Qwen/Qwen3.5-4B", "lora_rank": 16, "train_unembed": True, "steps": 20,
+               "group_size": 8, "max_tokens": 32, "learning_rate": 1e-4, "beta2": 0.95, "adam_eps": 1e-12,
+               "eval_every": 10, "eval_size": 64},
 }
 
 

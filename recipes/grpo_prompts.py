@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from countdown import COUNTDOWN_FEWSHOT_PREFIX, COUNTDOWN_SUFFIX
+from shapes import SHAPES_FEWSHOT, render_image_prompt
 
 QUESTION_SUFFIX = " Provide a numerical answer without units, written inside \\boxed{}."
 FEWSHOT_PREFIX: list[dict[str, str]] = [
@@ -46,6 +47,7 @@ class Prompting(NamedTuple):
 PROMPTS: dict[str, Prompting] = {
     **{name: Prompting(turns, QUESTION_SUFFIX) for name, turns in FEWSHOT.items()},
     "countdown": Prompting(COUNTDOWN_FEWSHOT_PREFIX, COUNTDOWN_SUFFIX),
+    "shapes": Prompting(SHAPES_FEWSHOT, QUESTION_SUFFIX),
 }
 
 
@@ -68,6 +70,20 @@ def render_prompt(
     if not tokens:
         raise ValueError("the rendered prompt is empty")
     return [int(t) for t in tokens]
+
+
+def row_prompt(tokenizer: Any, row: dict, fewshot: Sequence[dict], suffix: str) -> Any:
+    """A row's prompt: its tokens (`render_prompt`), or an image + text `ModelInput` for a row with an image."""
+    if "image" in row:
+        return render_image_prompt(tokenizer, row["question"], row["image"], fewshot, suffix)
+    return render_prompt(tokenizer, row["question"], fewshot, suffix)
+
+
+def as_model_input(prompt: Any) -> Any:
+    """A prompt (tokens or a `ModelInput`) as the `ModelInput` a sample call takes."""
+    import pytrio_compat as trio
+
+    return prompt if isinstance(prompt, trio.ModelInput) else trio.ModelInput.from_ints(prompt)
 
 
 def stop_sequences(tokenizer: Any) -> list[str]:

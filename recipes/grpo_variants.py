@@ -173,9 +173,13 @@ class StepBatch:
         from grpo_datums import is_degenerate
         from grpo_prompts import completion_text
 
+        from shapes import counted
+
         keep_equal = trains_equal_reward_groups(self.args)
         for prompt, row, result in groups:
             self.sampled += 1
+            if not isinstance(prompt, list):  # an image prompt: its image's token count from the worker's answer
+                prompt = counted(prompt, result.input_tokens)
             texts = [completion_text(self.tokenizer, seq) for seq in result.sequences]
             rewards = [self.reward(text, row["answer"]) for text in texts]
             scores = [self.parts(text, row["answer"]) for text in texts] if self.parts else None

@@ -68,7 +68,7 @@ def test_wrong_key_is_an_authentication_error(worker):
     ({"max_tokens": 3, "max_completion_tokens": 4}, "max_completion_tokens"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
                                                 {"type": "image_url", "image_url": {"url": "x"}}]}]},
-     "messages[0].content[1]"),
+     "messages[0].content[1].image_url.url"),  # only data: URLs are taken
     ({"messages": [{"role": "user", "content": "a", "name": "bob"}]}, "messages[0].name"),
     ({"extra_body": {"top_k": -2}}, "top_k"),
     ({"extra_body": {"n": "2"}}, "n"),
