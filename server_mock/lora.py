@@ -141,3 +141,38 @@ def peft_adapter_config(model_name: str, groups: dict[str, str], spec: LoraSpec)
     data = config.to_dict()
     data["base_model_name_or_path"] = model_name
     return json.dumps(data, indent=1, default=lambda o: sorted(o) if isinstance(o, set) else str(o))
+
+
+# An image-text model nests its text decoder one level deeper than the same family's causal LM (transformers'
+# ``...ForConditionalGeneration``: ``model.language_model.layers``; ``...ForCausalLM``: ``model.layers``). Adapters
+# saved when a checkpoint was loaded as the one are read on the other by renaming this one prefix.
+_TEXT_DECODER_NAMES = ("model.layers.", "model.language_model.layers.")
+
+
+def aligned_module_name(name: str, known) -> str:
+    """``name`` (a module path, or a PEFT state-dict key ``base_model.model.<module>...``) as ``known`` (a container
+    of names) spells it: itself when known, else with the text decoder's prefix of the other layout, else itself."""
+    if name in known:
+        return name
+    lead = "base_model.model." if name.startswith("base_model.model.") else ""
+    rest = name[len(lead):]
+    for this, other in (_TEXT_DECODER_NAMES, _TEXT_DECODER_NAMES[::-1]):
+        if rest.startswith(this):
+            renamed = lead + other + rest[len(this):]
+            if renamed in known:
+                return renamed
+    return name
+
+
+def align_adapter_keys(tensors: dict[str, torch.Tensor], expected) -> dict[str, torch.Tensor]:
+    """``tensors`` keyed as ``expected`` spells them, when renaming the text decoder's prefix makes every key known
+    (an adapter saved on the causal-LM layout of an image-text model, or the other way round); else unchanged."""
+    if all(key in expected for key in tensors):
+        return tensors
+    renamed = {aligned_module_name(key, expected): value for key, value in tensors.items()}
+    return renamed if all(key in expected for key in renamed) and len(renamed) == len(tensors) else tensors
+
+
+def adapter_keys(targets) -> set[str]:
+    """The state-dict keys of a LoRA on the modules ``targets`` (PEFT's layout, adapter name removed)."""
+    return {f"base_model.model.{module}.lora_{ab}.weight" for module in targets for ab in "AB"}

@@ -25,7 +25,7 @@ from server_mock.engine.loading import load_model_and_tokenizer
 from server_mock.engine.vision import ImageProcessing, batch_image_inputs, is_image_text, load_image_processing
 from server_mock.engine.vision_probe import probe_image_decoding
 from server_mock.errors import bad_request
-from server_mock.lora import Adapter, Snapshot, linear_groups, lora_config
+from server_mock.lora import Adapter, Snapshot, align_adapter_keys, linear_groups, lora_config
 from server_mock.sampling.generate import generate_batch
 from server_mock.training import adamw, prefix_cache, prefix_sharing
 from server_mock.training.forward_backward import TrainModel, run_forward_backward, token_logprobs
@@ -208,10 +208,16 @@ class LocalModelHost(ModelFacts):
                                           save_embedding_layers=False).items()}
 
     def load_adapter_weights(self, adapter: Adapter, tensors: dict[str, torch.Tensor]) -> None:
-        expected = set(self.adapter_weights(adapter))
+        current = self.adapter_weights(adapter)
+        expected = set(current)
+        tensors = align_adapter_keys(tensors, expected)  # saved on the causal-LM layout of an image-text model
         if set(tensors) != expected:
             raise bad_request("path", "checkpoint tensors do not match this adapter's layout "
                                       f"({len(tensors)} vs {len(expected)} tensors)", code="checkpoint_mismatch")
+        wrong = next((k for k, v in tensors.items() if tuple(v.shape) != tuple(current[k].shape)), None)
+        if wrong is not None:
+            raise bad_request("path", f"checkpoint tensor {wrong} has shape {tuple(tensors[wrong].shape)}, this "
+                                      f"adapter's has {tuple(current[wrong].shape)}", code="checkpoint_mismatch")
         self._set_peft_weights(adapter.adapter_id, tensors)
         for param in adapter.params.values():
             param.grad = None

@@ -19,7 +19,7 @@ from server_mock.engine.host import ModelHost
 from server_mock.engine.queue import Job
 from server_mock.engine.requests import RequestStore, run_id
 from server_mock.errors import WorkerError, bad_request, not_found
-from server_mock.lora import Layer, Snapshot
+from server_mock.lora import Layer, Snapshot, adapter_keys, align_adapter_keys
 from server_mock.sampling.generate import SampleSpec
 from server_mock.service.checkpoints import Checkpoints
 from server_mock.service.models import Models
@@ -145,7 +145,9 @@ class Samplers:
             meta = store.read_meta(ref)
             spec = LoraSpec.model_validate(meta["lora"])
             tensors = store.read_tensors(ref, "adapter_model.safetensors")
-            snap = Snapshot(hashlib.sha256(ref.path.encode()).hexdigest()[:16], spec, host.lora_targets(spec), tensors)
+            targets = host.lora_targets(spec)
+            tensors = align_adapter_keys(tensors, adapter_keys(targets))  # saved on the other layout of a VLM
+            snap = Snapshot(hashlib.sha256(ref.path.encode()).hexdigest()[:16], spec, targets, tensors)
             self.checkpoints.remember_expiry(sampler.model_path, meta)
             snapshots.put(sampler.model_path, sampler.tenant, (sampler.base_model, snap))
             return snap

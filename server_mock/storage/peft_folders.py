@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 
 from pytrio_compat.wire import LoraSpec
 from server_mock.errors import WorkerError, bad_request
-from server_mock.lora import LORA_ALPHA, Layer, Snapshot, lora_config
+from server_mock.lora import LORA_ALPHA, Layer, Snapshot, aligned_module_name, lora_config
 
 PATTERN_SECONDS = 1.0  # a string target_modules, against all the layer names of a model
 PATTERN_SECONDS_PER_NAME = 0.05  # ... and against one (a real pattern takes microseconds)
@@ -152,6 +152,7 @@ def load(folder: Path, model_name: str, layout: dict[str, Layer], max_rank: int,
             raise reject("target_modules", f"pattern {targets[:100]!r} matches no LoRA-able layer of {model_name}")
     elif isinstance(targets, list):
         for target in targets:
+            target = aligned_module_name(target, layout)
             if not any(name == target or name.endswith(f".{target}") for name in layout):
                 raise reject("target_modules", f"{target!r} matches no LoRA-able layer of {model_name} "
                                                f"(its layers are named like {next(iter(layout), '?')})")
@@ -169,7 +170,7 @@ def load(folder: Path, model_name: str, layout: dict[str, Layer], max_rank: int,
         if not match:
             raise bad_request(field, f"{WEIGHTS_FILE} has an unexpected tensor {key!r} (expected "
                                      "base_model.model.<layer>.lora_A/lora_B.weight)", code="invalid_adapter")
-        module = match["module"]
+        module = aligned_module_name(match["module"], layout)  # saved on the other layout of an image-text model
         if module not in layout:
             raise bad_request(field, f"{WEIGHTS_FILE} tensor {key!r}: {model_name} has no LoRA-able layer {module!r}",
                               code="invalid_adapter")

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from recipe_fakes import FakeSampler
 
 import pytrio_compat as trio
+from recipes.shapes import SHAPES_FEWSHOT
 from recipes.countdown import (
     COUNTDOWN_FEWSHOT_PREFIX,
     COUNTDOWN_SUFFIX,
@@ -332,7 +333,7 @@ def test_options_data_and_prompt_of_countdown(tiny_tokenizer):
     # the other datasets keep their prompt; countdown has its own few-shot turns and suffix
     assert {name: tuple(p) for name, p in PROMPTS.items()} == {
         **{name: (turns, QUESTION_SUFFIX) for name, turns in FEWSHOT.items()},
-        "countdown": (COUNTDOWN_FEWSHOT_PREFIX, COUNTDOWN_SUFFIX)}
+        "countdown": (COUNTDOWN_FEWSHOT_PREFIX, COUNTDOWN_SUFFIX), "shapes": (SHAPES_FEWSHOT, QUESTION_SUFFIX)}
     assert EVAL_GRADERS["countdown"] is not grade and EVAL_GRADERS["arithmetic"] is grade
     question = countdown_rows("test", 0, 1)[0]["question"]
     text = tiny_tokenizer.decode(render_prompt(tiny_tokenizer, question, *PROMPTS["countdown"]))
