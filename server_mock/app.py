@@ -1,7 +1,8 @@
 """The worker's HTTP app: the three protocols' routes, shared state, the browser guard and the background sweeper.
 
 Each protocol is a package under server_mock/api/: native (/v1), tinker (/api/v1) and openai (/api/openai/v1),
-all over the one ``WorkerService``. Another route list is mounted by passing it as ``extra_routes``.
+all over the one ``WorkerService``. Another route list is mounted by passing it as ``extra_routes``. Signed
+download URLs of every protocol are served by one ``Downloads`` (api/downloads.py, ``app.state.downloads``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from starlette.routing import BaseRoute
 
 from server_mock.api.auth import Auth
 from server_mock.api.browser_safety import BrowserGuard, HostPolicy
+from server_mock.api.downloads import ARCHIVE, Downloads, archive_resolver
 from server_mock.api.native import native_routes
 from server_mock.api.native.endpoint import Idempotency
 from server_mock.api.openai.router import openai_routes
@@ -26,7 +28,10 @@ from server_mock.service.worker import WorkerService
 def create_app(service: WorkerService, api_keys: list[str] | None = None, *, bind_host: str = "127.0.0.1",
                allowed_hosts: Iterable[str] = (), extra_routes: Iterable[BaseRoute] = ()) -> Starlette:
     auth = Auth(api_keys or [])
-    routes = [*native_routes(), *extra_routes, *tinker_routes(service, auth), *openai_routes(service, auth)]
+    downloads = Downloads(default_ttl=service.limits.download_url_seconds)
+    downloads.register(ARCHIVE, archive_resolver(service.checkpoints))
+    routes = [*native_routes(), *extra_routes, *downloads.routes(), *tinker_routes(service, auth, downloads),
+              *openai_routes(service, auth)]
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
@@ -41,6 +46,7 @@ def create_app(service: WorkerService, api_keys: list[str] | None = None, *, bin
                     middleware=[Middleware(BrowserGuard, policy=HostPolicy(bind_host, list(allowed_hosts)))])
     app.state.service = service
     app.state.auth = auth
+    app.state.downloads = downloads
     app.state.idempotency = Idempotency()
     return app
 

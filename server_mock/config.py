@@ -48,6 +48,12 @@ class Limits:
                                                  "(a decompression bomb is refused unread)")
     max_images_per_request: int = setting(256, "image chunks in one sample or forward/backward request, all datums "
                                                "together (identical images are decoded once)")
+    # a checkpoint archive streams a tar of the adapter files to a temporary file: bounded so that downloads
+    # never hold more than this many copies being written at once (more answer 429 + Retry-After)
+    max_archive_builds: int = setting(2, "checkpoint archives built at once, all keys together", minimum=1,
+                                      why="0 would refuse every download")
+    download_url_seconds: int = setting(3600, "lifetime of a signed download URL, in seconds",
+                                        minimum=60, why="a URL must outlive its own transfer")
 
 
 MICRO_BATCH_TOKENS = 2048  # padded tokens per forward pass; bounds the (B, T, V) logits in memory

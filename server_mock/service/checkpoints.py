@@ -8,19 +8,23 @@ save/load work runs on the model's queue thread.
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 
 from pytrio_compat.wire import CheckpointConfig, CheckpointEntry, CheckpointList, LoraSpec, SaveOp
 from server_mock.engine.host import ModelHost
-from server_mock.errors import WorkerError, not_found
+from server_mock.errors import WorkerError, bad_request, not_found
 from server_mock.lora import Snapshot
 from server_mock.service.quotas import TenantLRU
+from server_mock.storage.archive import Archives
 from server_mock.storage.checkpoints import CheckpointRef, CheckpointStore, parse_path
 
 
 class Checkpoints:
-    def __init__(self, store: CheckpointStore, snapshots: TenantLRU[tuple[str, Snapshot]]) -> None:
+    def __init__(self, store: CheckpointStore, snapshots: TenantLRU[tuple[str, Snapshot]],
+                 archives: Archives | None = None) -> None:
         self.store = store
         self.snapshots = snapshots  # sampler path -> (base model, weights) kept in memory, per tenant
+        self.archives = archives or Archives(store, max_builds=2)
 
     def owned_ref(self, path: str, tenant: str, field_name: str) -> CheckpointRef:
         """The checkpoint (on disk or an in-memory snapshot) at ``path`` if it is this tenant's; else 404."""
@@ -45,6 +49,28 @@ class Checkpoints:
                                 lora=LoraSpec.model_validate(meta["lora"]),
                                 has_optimizer=meta.get("has_optimizer", False))
 
+    def resolve(self, path_or_id: str, tenant: str) -> str:
+        """The trio:// path of one of this tenant's checkpoints, given the path or its id from ``list``."""
+        if path_or_id.startswith("trio://"):
+            return path_or_id
+        matches = [c.path for c in self.list(tenant, None).checkpoints if c.checkpoint_id == path_or_id]
+        if not matches:
+            raise not_found("checkpoint", path_or_id)
+        return matches[0]
+
+    def archive(self, path_or_id: str, tenant: str) -> tuple[CheckpointRef, Path, str]:
+        """The download archive of one of this tenant's saved checkpoints (built now if need be), and its
+        version: a string that changes whenever the checkpoint is overwritten."""
+        path = self.resolve(path_or_id, tenant)
+        ref = self.owned_ref(path, tenant, "path")
+        if not self.store.exists(ref):
+            raise bad_request("path", f"{path} is an in-memory sampler snapshot (save_weights_and_get_sampling_client)"
+                                      " and has no files to download; save the weights with "
+                                      "save_weights_for_sampler(name) or save_state(name) instead",
+                              code="not_downloadable")
+        version = f"{self.store.read_meta(ref).get('created_at', 0):.6f}"
+        return ref, self.archives.ensure(ref), version
+
     def list(self, tenant: str, training_run_id: str | None) -> CheckpointList:
         entries = []
         for ref, meta, size in self.store.list(training_run_id):
@@ -56,12 +82,7 @@ class Checkpoints:
         return CheckpointList(checkpoints=entries)
 
     def delete(self, path_or_id: str, tenant: str) -> None:
-        if not path_or_id.startswith("trio://"):
-            matches = [c.path for c in self.list(tenant, None).checkpoints if c.checkpoint_id == path_or_id]
-            if not matches:
-                raise not_found("checkpoint", path_or_id)
-            path_or_id = matches[0]
-        ref = self.owned_ref(path_or_id, tenant, "path")
+        ref = self.owned_ref(self.resolve(path_or_id, tenant), tenant, "path")
         self.store.delete(ref)
         self.snapshots.pop(ref.path)
 

@@ -22,6 +22,7 @@ from server_mock.service.models import Models
 from server_mock.service.quotas import TenantLRU
 from server_mock.service.runs import Runs
 from server_mock.service.samplers import Samplers
+from server_mock.storage.archive import Archives
 from server_mock.storage.checkpoints import CheckpointStore
 from server_mock.training import faults
 
@@ -39,7 +40,8 @@ class WorkerService:
         self.store = CheckpointStore(storage)
         self.models = Models(models, device, dtype, self.requests, self.limits, train_options or TrainOptions(),
                              lazy=lazy_models, cluster=cluster, tokenizer_ids=tokenizer_ids)
-        self.checkpoints = Checkpoints(self.store, TenantLRU(self.limits.max_snapshots))
+        self.checkpoints = Checkpoints(self.store, TenantLRU(self.limits.max_snapshots),
+                                       Archives(self.store, self.limits.max_archive_builds))
         self.runs = Runs(self.models, self.requests, self.checkpoints, self.limits, self.fault_injection)
         self.samplers = Samplers(self.models, self.requests, self.checkpoints, self.limits, allow_adapter_dirs)
         self.started = time.time()

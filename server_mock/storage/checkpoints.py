@@ -3,7 +3,11 @@
 Layout: ``<storage>/checkpoints/<run_id>/<kind>/<name>/`` with kind ``state`` (weights + Adam state) or
 ``sampler`` (weights only). The weights are a standard PEFT adapter folder (``adapter_model.safetensors``
 + ``adapter_config.json``), so a saved adapter loads in plain PEFT or vLLM as-is. Writes go to a
-temporary folder that is fsynced and renamed into place: a checkpoint is whole or absent.
+temporary folder that is fsynced and renamed into place: a checkpoint is whole or absent. A third kind,
+``external``, holds weights exported for download in another service's layout (Tinker's
+``save_weights_external``, possibly encrypted); it has no ``trio://`` path, only its ``CheckpointRef``.
+Files whose names start with a dot (a cached download archive) are derived data: they are not counted
+in a checkpoint's size and go with the folder when it is overwritten or deleted.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ NAME_RE = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9_-])?$")
 RUN_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
 PATH_RE = re.compile(r"^trio://(?P<run>[^/]+)/(?P<kind>state|sampler)/(?P<name>[^/]+)$")
 KINDS = ("state", "sampler")
+ALL_KINDS = (*KINDS, "external")
 
 
 @dataclass(frozen=True)
@@ -95,7 +100,7 @@ class CheckpointStore:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        return sum(f.stat().st_size for f in final.iterdir())
+        return folder_size(final)
 
     def read_meta(self, ref: CheckpointRef) -> dict:
         path = self.folder(ref) / "meta.json"
@@ -123,7 +128,16 @@ class CheckpointStore:
             raise WorkerError(404, "checkpoint_not_found", f"path: no checkpoint at {ref.path}", "path")
         shutil.rmtree(self.folder(ref))
 
-    def list(self, run_id: str | None = None) -> list[tuple[CheckpointRef, dict, int]]:
+    def set_expiry(self, ref: CheckpointRef, expires_at: float | None) -> None:
+        """Replace the checkpoint's expiry (unix seconds; None: never), atomically."""
+        meta = self.read_meta(ref)
+        meta["expires_at"] = expires_at
+        path = self.folder(ref) / "meta.json"
+        tmp = path.with_name(f".meta.json.tmp-{os.getpid()}-{time.monotonic_ns()}")
+        tmp.write_text(json.dumps(meta, indent=1))
+        os.replace(tmp, path)
+
+    def list(self, run_id: str | None = None, kinds: tuple[str, ...] = KINDS) -> list[tuple[CheckpointRef, dict, int]]:
         base = self.root / "checkpoints"
         if run_id and not RUN_RE.match(run_id):
             raise bad_request("training_run_id", f"invalid run id {run_id!r}")
@@ -131,7 +145,7 @@ class CheckpointStore:
         runs = [r for r in runs if r.is_dir()]
         out = []
         for run in runs:
-            for kind in KINDS:
+            for kind in kinds:
                 folder = run / kind
                 if not folder.is_dir():
                     continue
@@ -139,20 +153,32 @@ class CheckpointStore:
                     if ckpt.name.startswith(".") or not (ckpt / "meta.json").exists():
                         continue
                     ref = CheckpointRef(run.name, kind, ckpt.name)
-                    size = sum(f.stat().st_size for f in ckpt.iterdir())
-                    out.append((ref, json.loads((ckpt / "meta.json").read_text()), size))
+                    out.append((ref, json.loads((ckpt / "meta.json").read_text()), folder_size(ckpt)))
         return out
 
     def sweep_expired(self) -> int:
-        """Delete checkpoints whose ttl_seconds has passed; returns how many."""
+        """Delete checkpoints (of every kind) whose expiry has passed; returns how many. The expiry is
+        ``expires_at`` when the checkpoint has one (set_expiry), else ``created_at + ttl_seconds``."""
         removed = 0
         now = time.time()
-        for ref, meta, _ in self.list():
-            ttl = meta.get("ttl_seconds")
-            if ttl and meta.get("created_at", now) + ttl < now:
+        for ref, meta, _ in self.list(kinds=ALL_KINDS):
+            if expires_at(meta, now) < now:
                 shutil.rmtree(self.folder(ref), ignore_errors=True)
                 removed += 1
         return removed
+
+
+def expires_at(meta: dict, now: float | None = None) -> float:
+    """When a checkpoint expires, in unix seconds (infinity for never)."""
+    if "expires_at" in meta:
+        return float("inf") if meta["expires_at"] is None else float(meta["expires_at"])
+    ttl = meta.get("ttl_seconds")
+    return meta.get("created_at", time.time() if now is None else now) + ttl if ttl else float("inf")
+
+
+def folder_size(folder: Path) -> int:
+    """The bytes of a checkpoint's files, not counting derived (dot) files."""
+    return sum(f.stat().st_size for f in folder.iterdir() if not f.name.startswith(".") and f.is_file())
 
 
 def _fsync(path: Path) -> None:

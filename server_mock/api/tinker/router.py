@@ -32,7 +32,7 @@ async def unsupported(state: TinkerState, request: Request, tenant: str):
                                             "worker (see docs/tinker.md for the Tinker endpoints it serves)")
 
 
-def tinker_routes(service, auth) -> list[Route]:
+def tinker_routes(service, auth, downloads=None) -> list[Route]:
     state = TinkerState(service)
 
     def route(path: str, handler, methods=("POST",), public: bool = False, media=(JSON,)) -> Route:
