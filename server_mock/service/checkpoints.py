@@ -8,6 +8,9 @@ save/load work runs on the model's queue thread.
 from __future__ import annotations
 
 import hashlib
+import json
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from pytrio_compat.wire import CheckpointConfig, CheckpointEntry, CheckpointList, LoraSpec, SaveOp
@@ -15,8 +18,12 @@ from server_mock.engine.host import ModelHost
 from server_mock.errors import WorkerError, bad_request, not_found
 from server_mock.lora import Snapshot
 from server_mock.service.quotas import TenantLRU
-from server_mock.storage.archive import Archives
-from server_mock.storage.checkpoints import CheckpointRef, CheckpointStore, parse_path
+from server_mock.storage.archive import MARKER, Archives
+from server_mock.storage.checkpoints import NAME_RE, RUN_RE, CheckpointRef, CheckpointStore, parse_path
+from server_mock.storage.encryption import encrypt_folder
+
+# (PEFT tensors, adapter_config dict, whether the model ties its head) -> the same in another service's layout
+ExportLayout = Callable[[dict, dict, bool], tuple[dict, dict]]
 
 
 class Checkpoints:
@@ -120,6 +127,35 @@ class Checkpoints:
         if kind == "sampler":
             self.snapshots.pop(ref.path)  # a re-save must not serve the old weights
         return {"path": ref.path, "size": size, "model": run.base_model}
+
+    def save_export(self, run, host: ModelHost, name: str, ttl_seconds: int | None, layout: ExportLayout,
+                    recipients: list) -> dict:
+        """Write the run's current weights as an ``external`` checkpoint for download (on the model's thread):
+        the PEFT adapter converted by ``layout(tensors, adapter_config, tied_head)`` (another service's naming),
+        an empty ``checkpoint_complete`` marker, and with ``recipients`` every file age-encrypted (``.age``)."""
+        ref = CheckpointRef(run.run_id, "external", name)
+        if self.store.exists(ref):
+            raise WorkerError(409, "checkpoint_exists", f"path: external weights {name!r} of this run already exist; "
+                                                        "choose another name or delete them first", "path")
+        tensors, config = layout(host.adapter_weights(run.adapter), json.loads(host.peft_adapter_config(run.spec)),
+                                 host.tied_head)
+        now = time.time()
+        meta = {"base_model": run.base_model, "lora": run.spec.model_dump(), "tenant": run.tenant, "kind": "external",
+                "optim_steps": run.adapter.optim_steps, "ttl_seconds": ttl_seconds,
+                "expires_at": now + ttl_seconds if ttl_seconds else None, "encrypted": bool(recipients)}
+        seal = (lambda folder: encrypt_folder(folder, recipients)) if recipients else None
+        size = self.store.write(ref, meta, {"adapter_model.safetensors": tensors},
+                                {"adapter_config.json": json.dumps(config, indent=1), MARKER: ""}, seal=seal)
+        return {"run_id": run.run_id, "name": name, "size": size}
+
+    def owned_export(self, run_id: str, name: str, tenant: str) -> CheckpointRef:
+        """This tenant's external checkpoint ``name`` of run ``run_id``; else 404."""
+        ref = CheckpointRef(run_id, "external", name)
+        if not (RUN_RE.match(run_id) and NAME_RE.match(name) and self.store.exists(ref)
+                and self.store.read_meta(ref).get("tenant", "") == tenant):
+            raise WorkerError(404, "checkpoint_not_found", f"path: no external weights {name!r} in run {run_id!r}",
+                              "path")
+        return ref
 
     def load(self, run, host: ModelHost, ref: CheckpointRef, with_optimizer: bool) -> dict:
         weights = self.store.read_tensors(ref, "adapter_model.safetensors")

@@ -18,6 +18,7 @@ import re
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,8 +73,9 @@ class CheckpointStore:
         return (self.folder(ref) / "meta.json").exists()
 
     def write(self, ref: CheckpointRef, meta: dict, tensors: dict[str, dict[str, torch.Tensor]],
-              files: dict[str, str], overwrite: bool = False) -> int:
-        """Write tensor files (name -> state dict) and text files atomically; return the size in bytes."""
+              files: dict[str, str], overwrite: bool = False, seal: Callable[[Path], None] | None = None) -> int:
+        """Write tensor files (name -> state dict) and text files atomically; return the size in bytes.
+        ``seal(folder)`` may transform the written files (encrypt them) before they are put in place."""
         final = self.folder(ref)
         if final.exists() and not overwrite:
             raise WorkerError(409, "checkpoint_exists", f"name: checkpoint {ref.path} already exists; "
@@ -86,6 +88,8 @@ class CheckpointStore:
             for filename, text in files.items():
                 (tmp / filename).write_text(text)
             (tmp / "meta.json").write_text(json.dumps({**meta, "created_at": time.time()}, indent=1))
+            if seal is not None:
+                seal(tmp)
             for item in tmp.iterdir():
                 _fsync(item)
             _fsync(tmp)
