@@ -1,0 +1,112 @@
+"""A trained adapter, taken off the worker, computes the worker's numbers elsewhere: for every family of the
+tiny model matrix, the downloaded archive loaded in plain PEFT on the base model, and the merged model folder
+loaded in plain transformers, give the worker sampler's logprobs on the same tokens to 1e-5 (float32), and
+greedy generation from the merged model is the worker's greedy sample token for token.
+
+Every tiny model ties its output head to its input embeddings and every run trains the head, so each family
+also checks the untying: the merged model's input embeddings are the base model's, bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import pytrio_compat as trio
+from pytrio_compat.export import extract_archive, merge
+from server_mock.engine.tiny_model import TINY_FAMILIES, make_tiny_model
+
+pytestmark = pytest.mark.timeout(900)
+TOL = 1e-5
+PROMPT_TEXT = "what is 12 + 30? the answer is"
+
+
+@pytest.fixture(scope="module")
+def family_worker(tmp_path_factory):
+    from support import WorkerProcess
+
+    root = tmp_path_factory.mktemp("export-families")
+    dirs = {f: make_tiny_model(root / f, arch=f, seed=3) for f in TINY_FAMILIES}
+    extra = [arg for f in TINY_FAMILIES[1:] for arg in ("--model", f"{f}={dirs[f]}")]
+    proc = WorkerProcess(dirs[TINY_FAMILIES[0]], root / "storage", *extra, model_name=TINY_FAMILIES[0]).start()
+    client = trio.ServiceClient(base_url=proc.base_url)
+    yield client, dirs
+    client.close()
+    proc.stop()
+
+
+def trained_sampler_checkpoint(service, family: str) -> tuple[str, list[int]]:
+    """A run of ``family`` moved by two cross-entropy steps (attention, MLP and head LoRAs), saved for sampling."""
+    tc = service.create_lora_training_client(family, rank=4, seed=0)
+    tok = tc.get_tokenizer()
+    ids = tok.encode("7 + 8 = 15. 9 + 9 = 18. the answer is 42.")
+    datum = trio.Datum(model_input=trio.ModelInput.from_ints(ids[:-1]), loss_fn_inputs={"target_tokens": ids[1:]})
+    for _ in range(2):
+        tc.forward_backward([datum]).result()
+        tc.optim_step(trio.AdamParams(learning_rate=2e-2)).result()
+    return tc.save_weights_for_sampler(f"export-{family}").result().path, tok.encode(PROMPT_TEXT)
+
+
+def logprobs_of(model, prompt: list[int], tokens: list[int]) -> np.ndarray:
+    """log p(token_i | prompt, tokens_<i) from one full forward pass, float32."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + tokens])).logits[0].float()
+    logp = torch.log_softmax(logits, dim=-1)
+    return np.array([float(logp[len(prompt) - 1 + i, t]) for i, t in enumerate(tokens)])
+
+
+def sample(sampler, prompt: list[int], temperature: float, n_tokens: int = 12):
+    params = trio.SamplingParams(max_tokens=n_tokens, seed=11, temperature=temperature, stop=[])
+    seq = sampler.sample(trio.ModelInput.from_ints(prompt), num_samples=1, sampling_params=params).result()
+    return seq.sequences[0]
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_downloaded_and_merged_models_give_the_workers_numbers(family_worker, family, tmp_path):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    service, dirs = family_worker
+    path, prompt = trained_sampler_checkpoint(service, family)
+    sampler = service.create_sampling_client(model_path=path)
+    drawn = sample(sampler, prompt, temperature=1.0)
+    greedy = sample(sampler, prompt, temperature=0.0)
+    assert len(drawn.tokens) == len(greedy.tokens) == 12
+
+    archive = tmp_path / "checkpoint.tar"
+    service.create_rest_client().download_checkpoint(path, archive).result()
+    folder = extract_archive(archive, tmp_path / "adapter")
+    adapter_config = json.loads((folder / "adapter_config.json").read_text())
+    assert "lm_head" in adapter_config["target_modules"]  # the head is trained: the untying is exercised
+
+    base = AutoModelForCausalLM.from_pretrained(dirs[family], dtype=torch.float32).eval()
+    peft_model = PeftModel.from_pretrained(base, str(folder)).eval()
+    peft_gap = np.abs(logprobs_of(peft_model, prompt, drawn.tokens) - np.asarray(drawn.logprobs)).max()
+
+    report = merge(dirs[family], folder, tmp_path / "merged")
+    assert report["untied_head"] and report["dtypes"] == ["float32"]
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    merged_gap = np.abs(logprobs_of(merged, prompt, drawn.tokens) - np.asarray(drawn.logprobs)).max()
+    print(f"{family}: |logprob gap| PEFT {peft_gap:.2e}, merged {merged_gap:.2e}")
+    assert peft_gap <= TOL, f"{family}: base + adapter in PEFT differs from the worker by {peft_gap:.2e}"
+    assert merged_gap <= TOL, f"{family}: the merged model differs from the worker by {merged_gap:.2e}"
+
+    merged.generation_config.eos_token_id = None  # the worker's greedy sample ran to max_tokens (stop=[])
+    with torch.no_grad():
+        generated = merged.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=12, pad_token_id=0)
+    assert generated[0, len(prompt):].tolist() == greedy.tokens
+
+    # untied, not folded: the input embeddings are the base model's, and the head moved
+    assert merged.config.tie_word_embeddings is False
+    base_weights = load_file(str(dirs[family] / "model.safetensors"))
+    merged_weights = load_file(str(tmp_path / "merged" / "model.safetensors"))
+    embed = next(k for k in base_weights if k.endswith("embed_tokens.weight"))
+    assert torch.equal(merged_weights[embed], base_weights[embed])
+    assert "lm_head.weight" not in base_weights and not torch.equal(merged_weights["lm_head.weight"],
+                                                                      base_weights[embed])
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (tmp_path / "merged" / name).is_file(), name
