@@ -84,6 +84,8 @@ def read_adapter(folder: Path) -> Adapter:
     tensors = load_file(str(folder / WEIGHTS_FILE))
     pairs: dict[str, dict] = {}
     for key, tensor in tensors.items():
+        if key.endswith(".base_layer.weight"):
+            continue  # PEFT's copy of a base head/embedding next to its LoRA: the base model's own is used
         match = _KEY.match(key)
         if not match:
             raise ExportError(f"{WEIGHTS_FILE}: unexpected tensor {key!r} (expected "

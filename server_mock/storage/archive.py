@@ -100,6 +100,8 @@ class Archives:
                 same = False
             if not same:  # overwritten or deleted while we read it: the archive went with the old folder
                 raise _gone(ref)
+        except FileNotFoundError:  # the folder was removed while we wrote into it
+            raise _gone(ref) from None
         finally:
             if tmp:
                 try:
