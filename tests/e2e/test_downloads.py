@@ -151,9 +151,8 @@ def test_overwrite_and_delete_take_the_archive_and_its_urls_with_them(clients, t
     assert stale.status_code == 404 and stale.json()["error"]["code"] == "download_changed"
     rest.download_checkpoint(path, tmp_path / "v2.tar").result()
     folder = worker.storage / "checkpoints" / path.removeprefix("trio://")
-    assert members(tmp_path / "v2.tar")["adapter_model.safetensors"] == (folder / "adapter_model.safetensors").read_bytes()
-    assert members(tmp_path / "v1.tar")["adapter_model.safetensors"] != members(tmp_path / "v2.tar")[
-        "adapter_model.safetensors"]
+    v1, v2 = (members(tmp_path / f"{v}.tar")["adapter_model.safetensors"] for v in ("v1", "v2"))
+    assert v2 == (folder / "adapter_model.safetensors").read_bytes() and v1 != v2
     url = rest.get_checkpoint_archive_url(path).result().url
     rest.delete_checkpoint("run", path).result()
     assert httpx.get(url).status_code == 404 and not folder.exists()
