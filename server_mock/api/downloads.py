@@ -70,9 +70,15 @@ class Downloads:
         self._key = key or secrets.token_bytes(32)  # per worker process: a restart invalidates every URL
         self.default_ttl = default_ttl
         self._resolvers: dict[str, Resolver] = {}
+        self._callers: list[Callable[[Request], str]] = []
 
     def register(self, service: str, resolver: Resolver) -> None:
         self._resolvers[service] = resolver
+
+    def recognize(self, tenant_of: Callable[[Request], str]) -> None:
+        """Another way a protocol reads the caller's API key (Tinker's ``tml-`` prefix): a download carrying
+        another tenant's key in that form is refused too."""
+        self._callers.append(tenant_of)
 
     async def url_for(self, request: Request, service: str, ref: str, tenant: str,
                       ttl: float | None = None) -> tuple[str, datetime]:
@@ -105,7 +111,7 @@ class Downloads:
     async def serve(self, request: Request) -> Response:
         try:
             service, ref, tenant, _, version = self._open(request.path_params["token"])
-            caller = _caller(request)
+            caller = self._caller(request)
             if caller is not None and caller != tenant:
                 raise _not_found()
             resolver = self._resolvers.get(service)
@@ -124,6 +130,17 @@ class Downloads:
                             stat_result=stat,
                             headers={"etag": f'"{served.version}"', "cache-control": "private, no-store"})
 
+    def _caller(self, request: Request) -> str | None:
+        """The tenant of the API key the request carries, if it carries a valid one (a URL needs none)."""
+        if not any(h in request.headers for h in ("x-api-key", "authorization")):
+            return None
+        for tenant_of in (request.app.state.auth.tenant, *self._callers):
+            try:
+                return tenant_of(request)
+            except WorkerError:
+                continue
+        return None
+
     def routes(self) -> list[Route]:
         async def download(request: Request) -> Response:
             return await self.serve(request)
@@ -141,14 +158,6 @@ def archive_resolver(checkpoints) -> Resolver:
     return resolve
 
 
-def _caller(request: Request) -> str | None:
-    """The tenant of the API key the request carries, if it carries a valid one (a URL needs none)."""
-    if not any(h in request.headers for h in ("x-api-key", "authorization")):
-        return None
-    try:
-        return request.app.state.auth.tenant(request)
-    except WorkerError:
-        return None
 
 
 def _not_found() -> WorkerError:

@@ -5,6 +5,7 @@ signed URLs that need no key, are refused for other tenants, and die with their 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -186,3 +187,30 @@ def test_tinker_cli_and_older_sdks_fetch_the_same_archive(clients, trained, work
         mine = tmp_path / f"{kind}.tar"
         clients[0].create_rest_client().download_checkpoint(path, mine, resume=False).result()
         assert fetched.content == mine.read_bytes()
+
+
+def test_worker_export_command_merges_a_stored_checkpoint(clients, trained, worker, tmp_path):
+    """``pytrio-worker export trio://... --merged OUT`` next to the storage, and ``pytrio-compat export`` on the
+    downloaded archive, write the same merged model; a checkpoint that is not there is refused with the reason."""
+    from safetensors.torch import load_file
+
+    _, state, _ = trained
+    command = [sys.executable, "-m", "server_mock", "export", state, "--storage", str(worker.storage),
+               "--merged", str(tmp_path / "worker-merged"), "--gguf", str(tmp_path / "model.gguf")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout)["merged"]["untied_head"]
+    archive = tmp_path / "ckpt.tar"
+    clients[0].create_rest_client().download_checkpoint(state, archive).result()
+    from pytrio_compat.cli import main as compat_main
+
+    base = json.loads(members(archive)["adapter_config.json"])["base_model_name_or_path"]
+    assert compat_main(["export", str(archive), "--base", base, "--merged", str(tmp_path / "client-merged")]) == 0
+    ours, theirs = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("worker-merged", "client-merged"))
+    assert ours.keys() == theirs.keys() and all(ours[k].equal(theirs[k]) for k in ours)
+    assert (tmp_path / "model.gguf").stat().st_size > 0
+
+    missing = state.rsplit("/", 1)[0] + "/not-there"
+    done = subprocess.run([*command[:4], missing, *command[5:7], "--merged", str(tmp_path / "x")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "no such checkpoint" in done.stderr and not (tmp_path / "x").exists()

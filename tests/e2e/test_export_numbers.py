@@ -110,3 +110,80 @@ def test_downloaded_and_merged_models_give_the_workers_numbers(family_worker, fa
                                                                       base_weights[embed])
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         assert (tmp_path / "merged" / name).is_file(), name
+
+
+# --- vLLM's LoRA loader, written down from its sources (vLLM cannot run here) ---------------------------------
+# vllm/lora/peft_helper.py: adapter_config.json needs r, lora_alpha and target_modules; modules_to_save must be
+#   None, use_dora False, bias "none"; r <= --max-lora-rank (default 16; choices 1, 8, 16, 32, 64, 128, 256, 320,
+#   512); use_rslora scales by alpha / sqrt(r).
+# vllm/lora/lora_model.py (LoRAModel.from_local_checkpoint) reads adapter_model.safetensors; every tensor name
+#   must parse (vllm/lora/utils.py parse_fine_tuned_lora_name) as base_model.model.<module>.lora_A.weight /
+#   .lora_B.weight, and the last part of <module> must be an expected module, else "While loading ..., expected
+#   target modules in ... but received [...]".
+# Expected modules (vllm/lora/worker_manager.py): the names of the model's LinearBase layers, with each packed
+#   layer replaced by the Hugging Face layers it packs (packed_modules_mapping: qkv_proj -> q_proj, k_proj,
+#   v_proj; gate_up_proj -> gate_proj, up_proj; ...), plus the model's embedding_modules (lm_head only where the
+#   vLLM model declares it). Per family, from vllm/model_executor/models/<family>.py:
+VLLM_MODULES = {
+    "qwen2": ({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}, False),
+    "llama": ({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}, True),
+    "mistral": ({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}, True),  # llama.py
+    "qwen3": ({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}, True),
+    "gemma3": ({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}, False),  # no lm_head
+    "qwen3_moe": ({"q_proj", "k_proj", "v_proj", "o_proj", "gate", "experts"}, True),
+    "qwen3_5": ({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "in_proj_qkv",
+                 "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"}, True),
+    "lfm2": ({"q_proj", "k_proj", "v_proj", "out_proj", "w1", "w2", "w3", "in_proj"}, True),
+}
+VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_problems(config: dict, tensors: dict, family: str, max_lora_rank: int = 16) -> list[str]:
+    """What vLLM's LoRA loader would reject in this adapter, as its sources above say."""
+    import re
+
+    problems = [f"missing {key}" for key in ("r", "lora_alpha", "target_modules") if key not in config]
+    if config.get("modules_to_save"):
+        problems.append("modules_to_save must be None")
+    if config.get("use_dora"):
+        problems.append("DoRA")
+    if config.get("bias", "none") != "none":
+        problems.append("bias")
+    if config.get("r", 0) > max_lora_rank:
+        problems.append(f"r={config.get('r')} > --max-lora-rank {max_lora_rank}")
+    modules, head = VLLM_MODULES[family]
+    expected = modules | ({"lm_head"} if head else set())
+    for key, tensor in tensors.items():
+        match = re.fullmatch(r"base_model\.model\.(.+)\.lora_([AB])\.weight", key)
+        if not match:
+            problems.append(f"unparsable {key}")
+            continue
+        if match[1].rsplit(".", 1)[-1] not in expected:
+            problems.append(f"unexpected module {match[1]}")
+        if (tensor.shape[0] if match[2] == "A" else tensor.shape[1]) != config.get("r"):
+            problems.append(f"{key} is not rank {config.get('r')}")
+    return problems
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_downloaded_adapters_have_the_layout_vllm_loads(family_worker, family, tmp_path):
+    from safetensors.torch import load_file
+
+    service, _ = family_worker
+    rest = service.create_rest_client()
+    for unembed in (True, False):
+        tc = service.create_lora_training_client(family, rank=16, seed=0, train_unembed=unembed)
+        path = tc.save_weights_for_sampler(f"vllm-{family}-{unembed}").result().path
+        folder = extract_archive(rest.download_checkpoint(path, tmp_path / f"{unembed}.tar").result().path,
+                                 tmp_path / f"adapter-{unembed}")
+        config = json.loads((folder / "adapter_config.json").read_text())
+        tensors = load_file(str(folder / "adapter_model.safetensors"))
+        assert config["r"] == 16 and config["lora_alpha"] == 32 and config["r"] in VLLM_RANKS
+        assert sorted({k.split(".lora_")[0].rsplit(".", 1)[-1] for k in tensors}) == sorted(
+            {t.rsplit(".", 1)[-1] for t in config["target_modules"]})
+        problems = vllm_problems(config, tensors, family)
+        head_supported = VLLM_MODULES[family][1]
+        if unembed and not head_supported:  # vLLM takes no head LoRA on this family: serve the merged model
+            assert problems and all("lm_head" in p for p in problems), problems
+        else:
+            assert not problems, problems

@@ -20,7 +20,7 @@ from starlette.routing import Route
 
 from server_mock.api.downloads import Downloads
 from server_mock.api.tinker import sampling, sessions, training, weights
-from server_mock.api.tinker.endpoint import JSON, PROTOBUF, endpoint
+from server_mock.api.tinker.endpoint import JSON, PROTOBUF, endpoint, tenant_of
 from server_mock.api.tinker.export import Export
 from server_mock.api.tinker.futures import retrieve_future
 from server_mock.api.tinker.paths import tinker_message, tinker_metrics, to_tinker_path, to_trio_path
@@ -37,7 +37,9 @@ async def unsupported(state: TinkerState, request: Request, tenant: str):
 
 def tinker_routes(service, auth, downloads: Downloads | None = None) -> list[Route]:
     state = TinkerState(service)
-    export = Export(state, downloads or Downloads(service.limits.download_url_seconds))
+    downloads = downloads or Downloads(service.limits.download_url_seconds)
+    downloads.recognize(lambda request: tenant_of(auth, request))
+    export = Export(state, downloads)
     checkpoint = "/training_runs/{run}/checkpoints"
 
     def route(path: str, handler, methods=("POST",), public: bool = False, media=(JSON,)) -> Route:
