@@ -143,6 +143,8 @@ def serve(args: argparse.Namespace) -> None:
         limits, train_options = from_args(Limits, args), from_args(TrainOptions, args)
     except ValueError as exc:
         sys.exit(str(exc))
+    if limits.download_url_seconds > 7 * 24 * 3600:
+        sys.exit("--download-url-seconds must be at most 604800 (7 days): a signed URL is a bearer capability")
     unknown = sorted({name for name, _ in args.tokenizer_id} - {name for name, _ in args.model})
     if unknown:
         sys.exit(f"--tokenizer-id {unknown[0]}=...: no --model is served under that name")

@@ -10,6 +10,7 @@ also checks the untying: the merged model's input embeddings are the base model'
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -38,8 +39,9 @@ def family_worker(tmp_path_factory):
     proc.stop()
 
 
-def trained_sampler_checkpoint(service, family: str) -> tuple[str, list[int]]:
-    """A run of ``family`` moved by two cross-entropy steps (attention, MLP and head LoRAs), saved for sampling."""
+def trained_sampler_checkpoint(service, family: str) -> tuple[str, list[int], object]:
+    """A run of ``family`` moved by two cross-entropy steps (attention, MLP and head LoRAs), saved for sampling;
+    its path, a prompt, and the training client."""
     tc = service.create_lora_training_client(family, rank=4, seed=0)
     tok = tc.get_tokenizer()
     ids = tok.encode("7 + 8 = 15. 9 + 9 = 18. the answer is 42.")
@@ -47,7 +49,7 @@ def trained_sampler_checkpoint(service, family: str) -> tuple[str, list[int]]:
     for _ in range(2):
         tc.forward_backward([datum]).result()
         tc.optim_step(trio.AdamParams(learning_rate=2e-2)).result()
-    return tc.save_weights_for_sampler(f"export-{family}").result().path, tok.encode(PROMPT_TEXT)
+    return tc.save_weights_for_sampler(f"export-{family}").result().path, tok.encode(PROMPT_TEXT), tc
 
 
 def logprobs_of(model, prompt: list[int], tokens: list[int]) -> np.ndarray:
@@ -66,12 +68,35 @@ def sample(sampler, prompt: list[int], temperature: float, n_tokens: int = 12):
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
 def test_downloaded_and_merged_models_give_the_workers_numbers(family_worker, family, tmp_path):
+    service, dirs = family_worker
+    check_numbers(service, family, dirs[family], tmp_path)
+
+
+@pytest.mark.slow
+def test_smollm2_downloaded_and_merged_give_the_workers_numbers(tmp_path):
+    from support import WorkerProcess
+
+    from server_mock.engine.loading import SMOLLM2_ID, resolve_source
+
+    source = resolve_source(SMOLLM2_ID)
+    proc = WorkerProcess(source, tmp_path / "storage", model_name="smol").start()
+    service = trio.ServiceClient(base_url=proc.base_url)
+    try:  # 30 float32 layers: the sampler's cached decoding differs from any full forward pass by ~1e-5 already
+        check_numbers(service, "smol", Path(source), tmp_path, relative_to_trainer=True)
+    finally:
+        service.close()
+        proc.stop()
+
+
+def check_numbers(service, family: str, base_dir: Path, tmp_path: Path, relative_to_trainer: bool = False) -> None:
+    """The checks of the module docstring. With ``relative_to_trainer`` the bound is 1e-5 or twice the gap
+    between the worker's own sampler and trainer on the same tokens, whichever is larger."""
     from peft import PeftModel
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    service, dirs = family_worker
-    path, prompt = trained_sampler_checkpoint(service, family)
+    dirs = {family: base_dir}
+    path, prompt, tc = trained_sampler_checkpoint(service, family)
     sampler = service.create_sampling_client(model_path=path)
     drawn = sample(sampler, prompt, temperature=1.0)
     greedy = sample(sampler, prompt, temperature=0.0)
@@ -91,9 +116,14 @@ def test_downloaded_and_merged_models_give_the_workers_numbers(family_worker, fa
     assert report["untied_head"] and report["dtypes"] == ["float32"]
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
     merged_gap = np.abs(logprobs_of(merged, prompt, drawn.tokens) - np.asarray(drawn.logprobs)).max()
-    print(f"{family}: |logprob gap| PEFT {peft_gap:.2e}, merged {merged_gap:.2e}")
-    assert peft_gap <= TOL, f"{family}: base + adapter in PEFT differs from the worker by {peft_gap:.2e}"
-    assert merged_gap <= TOL, f"{family}: the merged model differs from the worker by {merged_gap:.2e}"
+    full = prompt + drawn.tokens
+    datum = trio.Datum(model_input=trio.ModelInput.from_ints(full[:-1]), loss_fn_inputs={"target_tokens": full[1:]})
+    trainer = np.asarray(tc.forward([datum]).result().loss_fn_outputs[0]["logprobs"].data)[len(prompt) - 1:]
+    trainer_gap = np.abs(trainer - np.asarray(drawn.logprobs)).max()
+    tol = max(TOL, 2 * trainer_gap) if relative_to_trainer else TOL
+    print(f"{family}: |logprob gap| PEFT {peft_gap:.2e}, merged {merged_gap:.2e} (worker trainer {trainer_gap:.2e})")
+    assert peft_gap <= tol, f"{family}: base + adapter in PEFT differs from the worker by {peft_gap:.2e}"
+    assert merged_gap <= tol, f"{family}: the merged model differs from the worker by {merged_gap:.2e}"
 
     merged.generation_config.eos_token_id = None  # the worker's greedy sample ran to max_tokens (stop=[])
     with torch.no_grad():

@@ -158,3 +158,21 @@ def test_an_archive_built_while_its_checkpoint_is_replaced_is_not_served(tmp_pat
         archives.ensure(ref)
     assert gone.value.status == 404 and "overwritten" in gone.value.message
     assert not archives.path(ref).exists()  # the new version has no archive of the old one
+
+
+def test_the_url_lifetime_flag_is_at_most_seven_days(monkeypatch):
+    import server_mock.service.worker as worker_module
+    from server_mock.cli import serve
+
+    class Reached(Exception):
+        pass
+
+    def stop(*args, **kwargs):
+        raise Reached
+
+    monkeypatch.setattr(worker_module, "WorkerService", stop)  # past every flag check: nothing is loaded
+    parser = build_parser()
+    with pytest.raises(Reached):
+        serve(parser.parse_args(["serve", "--model", "m=/nowhere", "--download-url-seconds", "604800"]))
+    with pytest.raises(SystemExit, match="at most 604800"):
+        serve(parser.parse_args(["serve", "--model", "m=/nowhere", "--download-url-seconds", "604801"]))
