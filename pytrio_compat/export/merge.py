@@ -4,7 +4,9 @@ For every layer the adapter trains, ``W' = W + scale * B @ A`` is computed in fl
 dtype the base model's checkpoint holds that tensor in; every other tensor is copied unchanged, so the folder
 keeps the base model's shards, names and index. The config, tokenizer, chat template and generation config
 come along (a generation config is written from the model config when the base has none). Only one shard is
-in memory at a time. The base model is read from safetensors only.
+in memory at a time. The base model is read from safetensors only. Image-text models (Qwen3.5, Qwen2.5-VL,
+Qwen3-VL, Gemma 3, LLaVA checkpoints with a vision tower) store their tensors under other names than their
+modules, so they are loaded whole by transformers, merged in place and saved by it instead.
 
 Tied embeddings: when the base model shares its output head with the input embeddings (SmolLM2, Qwen3 up
 to 4B, Llama 3.2, Gemma 3 ...) and the adapter trains the head (``lm_head``), the trained model computes
@@ -31,46 +33,20 @@ INDEX = "model.safetensors.index.json"
 
 def merge(base_dir: Path, adapter_dir: Path, out_dir: Path, *, overwrite: bool = False) -> dict:
     """Write the merged model of ``base_dir`` + ``adapter_dir`` to ``out_dir``; a summary of what was done."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
     base_dir, out_dir = Path(base_dir), Path(out_dir)
     adapter = read_adapter(Path(adapter_dir))
     if not (base_dir / "config.json").is_file():
         raise ExportError(f"{base_dir} is not a Hugging Face model folder (no config.json)")
-    shards, weight_map, index = _base_weights(base_dir)
-    layout = _layout(base_dir)
-    plan = _plan(adapter, layout, weight_map)
     if out_dir.exists() and not overwrite:
         raise ExportError(f"{out_dir} already exists: choose another folder or pass --overwrite")
-
+    image_text = "vision_config" in json.loads((base_dir / "config.json").read_text())
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}-{time.monotonic_ns()}")
     tmp.mkdir(parents=True)
-    dtypes: set[str] = set()
     try:
-        for shard in shards:
-            tensors = load_file(str(base_dir / shard))
-            for key in list(tensors):
-                dtypes.add(str(tensors[key].dtype).removeprefix("torch."))
-                if key in plan.deltas:
-                    tensors[key] = _fold(tensors[key], *plan.deltas[key], adapter.scale, torch)
-            if plan.untie is not None and weight_map[plan.untie.source] == shard:
-                tensors[plan.untie.head] = _fold(tensors[plan.untie.source], *plan.untie.pair, adapter.scale, torch)
-            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / shard), metadata={"format": "pt"})
-            del tensors
-        if index is not None:
-            index = dict(index)
-            index["weight_map"] = dict(index["weight_map"])
-            if plan.untie is not None:
-                index["weight_map"][plan.untie.head] = weight_map[plan.untie.source]
-                index.pop("metadata", None)  # total_size changed; transformers does not need it
-            (tmp / INDEX).write_text(json.dumps(index, indent=2))
-        config = json.loads((base_dir / "config.json").read_text())
-        if plan.untie is not None:
-            _untie(config)
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        for item in base_dir.iterdir():
-            if item.is_file() and not item.name.endswith(WEIGHT_SUFFIXES) and item.name not in (INDEX, "config.json"):
+        write = _merge_loaded if image_text else _merge_shards
+        untied, layers, dtypes = write(base_dir, adapter, tmp)
+        for item in base_dir.iterdir():  # tokenizer, chat template, processor and generation configs
+            if item.is_file() and not item.name.endswith(WEIGHT_SUFFIXES) and not (tmp / item.name).exists():
                 shutil.copy2(item, tmp / item.name)
         if not (tmp / "generation_config.json").exists():
             from transformers import AutoConfig, GenerationConfig
@@ -82,9 +58,71 @@ def merge(base_dir: Path, adapter_dir: Path, out_dir: Path, *, overwrite: bool =
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return {"out": str(out_dir), "layers": len(plan.deltas) + (plan.untie is not None), "rank": adapter.rank,
-            "scale": adapter.scale, "untied_head": plan.untie is not None, "dtypes": sorted(dtypes),
+    return {"out": str(out_dir), "layers": layers, "rank": adapter.rank, "scale": adapter.scale,
+            "untied_head": untied, "dtypes": sorted(dtypes),
             "tokenizer": any((out_dir / n).exists() for n in ("tokenizer.json", "tokenizer.model", "vocab.json"))}
+
+
+def _merge_shards(base_dir: Path, adapter: Adapter, tmp: Path) -> tuple[bool, int, set[str]]:
+    """The merge of a text model, one stored shard at a time (its tensors are stored under their module names)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shards, weight_map, index = _base_weights(base_dir)
+    plan = _plan(adapter, _layout(base_dir), weight_map)
+    dtypes: set[str] = set()
+    for shard in shards:
+        tensors = load_file(str(base_dir / shard))
+        for key in list(tensors):
+            dtypes.add(str(tensors[key].dtype).removeprefix("torch."))
+            if key in plan.deltas:
+                tensors[key] = _fold(tensors[key], *plan.deltas[key], adapter.scale, torch)
+        if plan.untie is not None and weight_map[plan.untie.source] == shard:
+            tensors[plan.untie.head] = _fold(tensors[plan.untie.source], *plan.untie.pair, adapter.scale, torch)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / shard), metadata={"format": "pt"})
+        del tensors
+    if index is not None:
+        index = dict(index)
+        index["weight_map"] = dict(index["weight_map"])
+        if plan.untie is not None:
+            index["weight_map"][plan.untie.head] = weight_map[plan.untie.source]
+            index.pop("metadata", None)  # total_size changed; transformers does not need it
+        (tmp / INDEX).write_text(json.dumps(index, indent=2))
+    config = json.loads((base_dir / "config.json").read_text())
+    if plan.untie is not None:
+        _untie(config)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    return plan.untie is not None, len(plan.deltas) + (plan.untie is not None), dtypes
+
+
+def _merge_loaded(base_dir: Path, adapter: Adapter, tmp: Path) -> tuple[bool, int, set[str]]:
+    """The merge of an image-text model: its checkpoints store tensors under other names than its modules
+    (``language_model.model.*`` for ``model.language_model.*``), which only transformers' loading maps. So the
+    model is loaded whole (in its stored dtype), changed in place and saved by transformers, which writes the
+    stored names back."""
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    try:
+        model = AutoModelForImageTextToText.from_pretrained(base_dir, dtype="auto")
+    except (ValueError, KeyError, OSError) as exc:
+        raise ExportError(f"transformers cannot load {base_dir} as an image-text model: {exc}") from None
+    layout = _layout_of(model, AutoConfig.from_pretrained(base_dir).model_type)
+    names = {f"{module}.weight" for module in layout.linears} | ({layout.embeddings} if layout.embeddings else set())
+    plan = _plan(adapter, layout, dict.fromkeys(names, ""))
+    dtypes = {str(p.dtype).removeprefix("torch.") for p in model.parameters()}
+    with torch.no_grad():
+        for key, pair in plan.deltas.items():
+            layer = model.get_submodule(key.removesuffix(".weight"))
+            layer.weight.copy_(_fold(layer.weight, *pair, adapter.scale, torch))
+        if plan.untie is not None:
+            embeddings = model.get_input_embeddings().weight
+            head = model.get_output_embeddings()
+            head.weight = torch.nn.Parameter(_fold(embeddings, *plan.untie.pair, adapter.scale, torch))
+            for config in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
+                config.tie_word_embeddings = False
+    model.save_pretrained(tmp)
+    return plan.untie is not None, len(plan.deltas) + (plan.untie is not None), dtypes
 
 
 def _fold(weight, lora_a, lora_b, scale: float, torch):
@@ -117,7 +155,6 @@ class _Layout:
 
 def _layout(base_dir: Path) -> _Layout:
     import torch
-    from torch import nn
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(base_dir)
@@ -127,12 +164,18 @@ def _layout(base_dir: Path) -> _Layout:
     except (ValueError, KeyError) as exc:
         raise ExportError(f"transformers cannot build a causal LM of {config.model_type!r} from {base_dir}: "
                           f"{exc}") from None
+    return _layout_of(model, config.model_type)
+
+
+def _layout_of(model, model_type: str) -> _Layout:
+    from torch import nn
+
     names = {id(m): n for n, m in model.named_modules()}
     head, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
     linears = {n: (m.in_features, m.out_features) for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     tied = head is not None and embeddings is not None and head.weight is embeddings.weight
     return _Layout(linears, names.get(id(head)) if head is not None else None,
-                   f"{names[id(embeddings)]}.weight" if embeddings is not None else None, tied, config.model_type)
+                   f"{names[id(embeddings)]}.weight" if embeddings is not None else None, tied, model_type)
 
 
 def _plan(adapter: Adapter, layout: _Layout, weight_map: dict[str, str]) -> _Plan:

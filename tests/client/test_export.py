@@ -267,3 +267,37 @@ def test_pytrio_compat_export_command(tmp_path, capsys):
     assert report["merged"]["untied_head"] and report["gguf"]["architecture"] == "llama"
     assert compat_main(["export", str(archive), "--base", str(base), "--merged", str(tmp_path / "m")]) == 2
     assert "already exists" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_vl", "qwen2_5_vl", "gemma3", "llava"])
+def test_image_text_models_merge_through_transformers(tmp_path, arch):
+    """A tiny VLM's checkpoint names its tensors differently from its modules; the merged model still equals
+    base + adapter in PEFT on text, with the vision tower and the input embeddings unchanged."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForImageTextToText
+
+    from server_mock.engine.tiny_vlm import make_tiny_vlm
+    from server_mock.lora import linear_groups
+
+    base = make_tiny_vlm(tmp_path / "base", arch=arch)
+    model = AutoModelForImageTextToText.from_pretrained(base, dtype=torch.float32)
+    targets = list(linear_groups(model))  # the worker's layout: the language model and its head, not the tower
+    peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=32, target_modules=targets))
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in peft.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.05)
+    peft.save_pretrained(tmp_path / "adapter", save_embedding_layers=False)
+    assert merge(base, tmp_path / "adapter", tmp_path / "merged")["untied_head"]
+
+    fresh = AutoModelForImageTextToText.from_pretrained(base, dtype=torch.float32)
+    reference = PeftModel.from_pretrained(fresh, str(tmp_path / "adapter")).eval()
+    merged = AutoModelForImageTextToText.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    assert (logprobs(merged, IDS[:7]) - logprobs(reference, IDS[:7])).abs().max() <= 1e-5
+    original = AutoModelForImageTextToText.from_pretrained(base, dtype=torch.float32)
+    assert torch.equal(merged.get_input_embeddings().weight, original.get_input_embeddings().weight)
+    tower = {n: p for n, p in original.named_parameters() if n not in {f"{t}.weight" for t in targets}
+             and "embed_tokens" not in n and "lm_head" not in n}
+    merged_params = dict(merged.named_parameters())
+    assert all(torch.equal(merged_params[n], p) for n, p in tower.items())

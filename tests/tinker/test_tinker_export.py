@@ -59,6 +59,12 @@ def env(worker, monkeypatch):
     return worker
 
 
+def cookbook_weights():
+    """tinker_cookbook.weights, installed without its dependencies (its tml-renderers pin has no release):
+    ``pip install --no-deps tinker-cookbook==0.6.1`` next to the worker and dev extras (pyrage, tinker)."""
+    return pytest.importorskip("tinker_cookbook.weights", reason="tinker-cookbook is not installed")
+
+
 def trained(model_dir, steps=2):
     """A Tinker training client moved away from its initial weights (attention, MLP and head LoRAs)."""
     service = tinker.ServiceClient()
@@ -94,8 +100,9 @@ def peft_logprobs(base_dir, adapter_dir, prompt, tokens):
 
 def test_cookbook_chain_on_a_model_with_its_own_head_is_exact(env, untied_model_dir, tmp_path):
     from safetensors.torch import load_file
-    from tinker_cookbook import weights
     from transformers import AutoModelForCausalLM
+
+    weights = cookbook_weights()
 
     service, tc = trained(untied_model_dir)
     prompt = [1, 20, 21, 22, 23]
@@ -117,7 +124,7 @@ def test_cookbook_chain_on_a_model_with_its_own_head_is_exact(env, untied_model_
 
 
 def test_cookbook_chain_on_a_tied_model_is_exact_or_refused(env, tiny_model_dir, tmp_path):
-    from tinker_cookbook import weights
+    weights = cookbook_weights()
     from tinker_cookbook.exceptions import WeightsMergeError
 
     service, tc = trained(tiny_model_dir)
