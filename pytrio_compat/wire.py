@@ -118,6 +118,8 @@ class SaveOp(WireModel):
     overwrite: bool = False
     # A sampler snapshot kept only in memory (no file) for save_weights_and_get_sampling_client.
     ephemeral: bool = False
+    # Labels kept with the checkpoint (Tinker's save_state / save_weights_for_sampler user_metadata).
+    user_metadata: dict[str, str] | None = None
 
 
 class LoadOp(WireModel):

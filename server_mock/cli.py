@@ -12,7 +12,7 @@ import warnings
 from pathlib import Path
 
 from pytrio_compat.export import cli as export_cli
-from server_mock.config import Limits, TrainOptions, add_flags, from_args
+from server_mock.config import Limits, PytrioOptions, TrainOptions, add_flags, from_args
 from server_mock.errors import WorkerError
 
 TEXT_TINY_ARCHS = ("qwen2", "llama")
@@ -67,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "(create_sampling_client(model_path=...)); repeatable")
     add_flags(serve.add_argument_group("limits"), Limits)
     add_flags(serve.add_argument_group("forward/backward"), TrainOptions)
+    add_flags(serve.add_argument_group("PyTRIO protocol (the official pytrio SDK; docs/pytrio.md)"), PytrioOptions)
     ray = serve.add_argument_group("Ray cluster (pip install -e .[worker,cluster]; docs/scaling.md)")
     ray.add_argument("--ray", metavar="auto|ADDRESS",
                      help="run the models on a Ray cluster: auto joins a running one or starts a local one, HOST:PORT "
@@ -141,6 +142,7 @@ def serve(args: argparse.Namespace) -> None:
     device = cluster.config.device if cluster is not None else resolve_device(args.device)
     try:
         limits, train_options = from_args(Limits, args), from_args(TrainOptions, args)
+        pytrio_options = from_args(PytrioOptions, args)
     except ValueError as exc:
         sys.exit(str(exc))
     if limits.download_url_seconds > 7 * 24 * 3600:
@@ -160,7 +162,8 @@ def serve(args: argparse.Namespace) -> None:
     if service.fault_injection:
         logging.getLogger("server_mock").warning("fault injection is ON (PYTRIO_WORKER_FAULT_INJECTION): requests "
                                                  "may ask to fail on purpose; never use this in production")
-    app = create_app(service, keys, bind_host=args.host, allowed_hosts=args.allowed_host)
+    app = create_app(service, keys, bind_host=args.host, allowed_hosts=args.allowed_host,
+                     pytrio_options=pytrio_options)
     sock = listening_socket(args.host, args.port)
     port = sock.getsockname()[1]
     config = uvicorn.Config(app, log_level="warning", timeout_keep_alive=30)

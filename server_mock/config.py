@@ -48,12 +48,64 @@ class Limits:
                                                  "(a decompression bomb is refused unread)")
     max_images_per_request: int = setting(256, "image chunks in one sample or forward/backward request, all datums "
                                                "together (identical images are decoded once)")
+    # soft-target cross-entropy: target_tokens / weights of shape [N, K] (top-K distillation sends K ~ 20)
+    max_target_k: int = setting(1024, "K, the targets per position of soft-target cross-entropy ([N, K] inputs)")
+    max_target_cells: int = setting(4_194_304, "soft-target cells (N x K, all datums together) in one "
+                                               "forward/backward request")
+    # stable_reinforce: what the sampler records per returned sequence when asked (record_stability_info)
+    max_recorded_sequences: int = setting(65_536, "sampled sequences whose stability records are kept per API key "
+                                                  "(least recently used dropped first)")
+    max_recorded_tokens: int = setting(16_777_216, "tokens (prompts once per request, plus sampled tokens) held in "
+                                                   "stability records per API key (least recently used dropped "
+                                                   "first)")
+    checkpoint_sweep_seconds: float = setting(60.0, "how often expired checkpoints (ttl_seconds) are deleted from "
+                                                    "disk, in seconds; they answer 404 from their expiry on",
+                                              minimum=0.05, why="the sweeper's own tick")
+    recorded_sequence_ttl: float = setting(86_400.0, "seconds a stability record is kept after its last use "
+                                                     "(sampling, or a training request naming it)")
+
     # a checkpoint archive streams a tar of the adapter files to a temporary file: bounded so that downloads
     # never hold more than this many copies being written at once (more answer 429 + Retry-After)
     max_archive_builds: int = setting(2, "checkpoint archives built at once, all keys together", minimum=1,
                                       why="0 would refuse every download")
     download_url_seconds: int = setting(3600, "lifetime of a signed download URL, in seconds",
                                         minimum=60, why="a URL must outlive its own transfer")
+
+@dataclass
+class PytrioOptions:
+    """The PyTRIO protocol (server_mock/api/pytrio/, docs/pytrio.md): the limits its Control plane hands the
+    official ``pytrio`` SDK, and how long its sessions, runs, tokens and event answers live."""
+
+    # The SDK splits one forward_backward call into Actor events of at most these sizes (0: no limit sent, no split).
+    pytrio_max_batch_size: int = setting(0, "datums per PyTRIO training event: the SDK splits a call into events of at "
+                                            "most N datums (0: no limit; the call is one event)", minimum=0,
+                                         why="0: no limit", metavar="N")
+    pytrio_max_tokens_per_request: int = setting(0, "summed tokens per PyTRIO training event (the SDK splits a call "
+                                                    "past it); 0: the worker's --max-tokens-per-request", minimum=0,
+                                                 why="0: --max-tokens-per-request", metavar="N")
+    pytrio_token_ttl: float = setting(43200.0, "seconds an Actor token lives; the SDK renews it through the Control "
+                                               "plane", minimum=301,
+                                      why="the SDK renews a token with 300 s or less left before every request")
+    pytrio_event_ttl: float = setting(1800.0, "seconds the answer of a finished training event is kept for polls and "
+                                              "re-sent submits (the SDK retries for up to 900 s)", minimum=1)
+    pytrio_events_per_run: int = setting(256, "finished training events kept per run for polls (older ones are "
+                                              "forgotten first)", minimum=16, why="the SDK keeps 16 in flight")
+    pytrio_event_answer_bytes: int = setting(128 * 1024 * 1024, "bytes of finished training events' answers kept per "
+                                                                "run (forward results carry per-token tensors; older "
+                                                                "ones are forgotten first)", minimum=1 << 20)
+    pytrio_max_sessions: int = setting(256, "open PyTRIO service sessions per API key", minimum=1)
+    pytrio_session_ttl: float = setting(21600.0, "seconds a PyTRIO service session without any request is kept; "
+                                                 "then it is closed and its runs released", minimum=60)
+    pytrio_run_idle_ttl: float = setting(1800.0, "seconds a PyTRIO training run keeps its adapter without a heartbeat "
+                                                 "or an event (the SDK beats every 60 s while the client lives)",
+                                         minimum=60)
+    pytrio_max_sampling_runs: int = setting(64, "PyTRIO sampling runs kept per API key (the SDK never closes them; "
+                                                "the least recently used is released first)", minimum=1)
+    pytrio_sampling_run_ttl: float = setting(21600.0, "seconds a PyTRIO sampling run without a sample request is kept",
+                                             minimum=60)
+    pytrio_sample_keepalive: float = setting(30.0, "seconds a PyTRIO sample answer may take before the worker starts "
+                                                   "it with whitespace keep-alives (one every such interval)",
+                                             minimum=0.05)
 
 
 MICRO_BATCH_TOKENS = 2048  # padded tokens per forward pass; bounds the (B, T, V) logits in memory

@@ -19,7 +19,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
 
 # Tests that need an optional install (the Ray cluster, the official clients) skip without it. Where every extra
 # is installed (scripts/test.sh, hence CI), a missing one must fail the run instead of shrinking it silently.
-REQUIRED_WITH_EXTRAS = ("ray", "tinker", "openai", "grpc_tools")
+REQUIRED_WITH_EXTRAS = ("ray", "tinker", "openai", "grpc_tools", "pytrio", "trio_cookbook", "tinker_cookbook")
 
 
 def pytest_sessionstart(session):

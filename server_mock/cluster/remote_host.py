@@ -190,10 +190,11 @@ class RemoteModelHost(ModelFacts):
                 pass
 
     def forward_backward(self, adapter: RemoteAdapter, data: list, loss_fn: str, config: dict,
-                         backward: bool) -> dict:
+                         backward: bool, loss_scale: float = 1.0) -> dict:
         def run(group: TrainerGroup) -> dict:
             shards = data_parallel.split_by_tokens([len(d["tokens"]) for d in data], len(group.ranks))
-            args = [(adapter.adapter_id, data_parallel.shard_data(data, s), loss_fn, config, backward) for s in shards]
+            args = [(adapter.adapter_id, data_parallel.shard_data(data, s), loss_fn, config, backward, loss_scale)
+                    for s in shards]
             results = group.call_each("forward_backward", args)
             refused = [(i, r) for i, r in enumerate(results) if not isinstance(r, dict)]
             if refused:

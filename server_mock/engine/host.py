@@ -55,8 +55,9 @@ class ModelHost(Protocol):
     def drop_adapter(self, adapter_id: str) -> None: ...
 
     def forward_backward(self, adapter: Any, data: list[dict], loss_fn: str, config: dict[str, float],
-                         backward: bool) -> dict:
-        """Per-datum outputs (numpy arrays) and the call's metrics; with ``backward`` gradients accumulate."""
+                         backward: bool, loss_scale: float = 1.0) -> dict:
+        """Per-datum outputs (numpy arrays) and the call's metrics; with ``backward`` the gradient of the summed loss
+        times ``loss_scale`` accumulates (the metrics are unscaled)."""
 
     def optim_step(self, adapter: Any, adam: AdamParams) -> dict[str, float]: ...
 

@@ -137,8 +137,9 @@ class LocalModelHost(ModelFacts):
     # --- forward / backward ---------------------------------------------------------------------------
 
     def forward_backward(self, adapter: Adapter, data: list[dict[str, np.ndarray]], loss_fn: str,
-                         config: dict[str, float], backward: bool) -> dict:
-        """Per-datum logprobs and losses; with ``backward`` the summed loss's gradient accumulates.
+                         config: dict[str, float], backward: bool, loss_scale: float = 1.0) -> dict:
+        """Per-datum logprobs and losses; with ``backward`` the gradient of the summed loss (times ``loss_scale``)
+        accumulates.
 
         If anything fails midway, the gradients accumulated before this call are restored, so a failed
         request leaves the adapter exactly as it was.
@@ -149,7 +150,7 @@ class LocalModelHost(ModelFacts):
                            self.options.micro_batch_tokens,
                            self.options.prefix_share_min_tokens if self.prefix_sharing else 0)
         try:
-            return run_forward_backward(model, data, loss_fn, config, backward)
+            return run_forward_backward(model, data, loss_fn, config, backward, loss_scale)
         except BaseException:
             for name, param in adapter.params.items():
                 param.grad = saved[name]

@@ -19,11 +19,16 @@ from server_mock.errors import WorkerError, bad_request, not_found
 from server_mock.lora import Snapshot
 from server_mock.service.quotas import TenantLRU
 from server_mock.storage.archive import MARKER, Archives
-from server_mock.storage.checkpoints import NAME_RE, RUN_RE, CheckpointRef, CheckpointStore, parse_path
+from server_mock.storage.checkpoints import NAME_RE, RUN_RE, CheckpointRef, CheckpointStore, expires_at, parse_path
 from server_mock.storage.encryption import encrypt_folder
 
 # (PEFT tensors, adapter_config dict, whether the model ties its head) -> the same in another service's layout
 ExportLayout = Callable[[dict, dict, bool], tuple[dict, dict]]
+
+
+def checkpoint_id(path: str) -> str:
+    """The short id a checkpoint is listed (and may be deleted) by, in every protocol."""
+    return hashlib.sha256(path.encode()).hexdigest()[:16]
 
 
 class Checkpoints:
@@ -32,10 +37,29 @@ class Checkpoints:
         self.store = store
         self.snapshots = snapshots  # sampler path -> (base model, weights) kept in memory, per tenant
         self.archives = archives or Archives(store, max_builds=2)
+        # expiry time of the saved checkpoints held in ``snapshots``: a sampler reading one stops at its expiry
+        # without a disk read
+        self.snapshot_expiry: dict[str, float] = {}
+
+    def remember_expiry(self, path: str, meta: dict) -> None:
+        when = expires_at(meta)
+        if when is None:
+            self.snapshot_expiry.pop(path, None)
+        else:
+            self.snapshot_expiry[path] = when
+
+    def drop_if_expired(self, path: str) -> None:
+        """Forget the in-memory copy of a saved checkpoint whose expiry time has passed (no disk read)."""
+        when = self.snapshot_expiry.get(path)
+        if when is not None and when <= time.time():
+            self.snapshots.pop(path)
+            self.snapshot_expiry.pop(path, None)
 
     def owned_ref(self, path: str, tenant: str, field_name: str) -> CheckpointRef:
-        """The checkpoint (on disk or an in-memory snapshot) at ``path`` if it is this tenant's; else 404."""
+        """The checkpoint (on disk or an in-memory snapshot) at ``path`` if it is this tenant's; else 404.
+        An expired one is absent."""
         ref = parse_path(path, field_name)
+        self.drop_if_expired(path)
         owner = self.snapshots.owner(path)
         if owner is not None:
             if owner != tenant:
@@ -78,20 +102,41 @@ class Checkpoints:
         version = f"{self.store.read_meta(ref).get('created_at', 0):.6f}"
         return ref, self.archives.ensure(ref), version
 
+    def records(self, tenant: str, training_run_id: str | None = None) -> list[tuple[CheckpointRef, dict, int]]:
+        """This tenant's checkpoints on disk (of one run), unexpired: (ref, metadata, size in bytes) each."""
+        return [(ref, meta, size) for ref, meta, size in self.store.list(training_run_id)
+                if meta.get("tenant", "") == tenant]
+
+    def set_expiry(self, path: str, tenant: str, when: float | None) -> dict:
+        """A new expiry time for one of this tenant's checkpoints on disk (None: never); its new metadata."""
+        ref = self.owned_ref(path, tenant, "path")
+        if not self.store.exists(ref):
+            raise WorkerError(404, "checkpoint_not_found", f"path: {path} is held in memory only (it has no "
+                                                           "expiry time)", "path")
+        meta = self.store.set_expiry(ref, when)
+        if path in self.snapshot_expiry or self.snapshots.owner(path) is not None:
+            self.remember_expiry(path, meta)
+        return meta
+
+    def sweep(self) -> int:
+        """Delete expired checkpoints from disk, with their in-memory copies; returns how many."""
+        removed = self.store.sweep_expired()
+        for ref in removed:
+            self.snapshots.pop(ref.path)
+            self.snapshot_expiry.pop(ref.path, None)
+        return len(removed)
+
     def list(self, tenant: str, training_run_id: str | None) -> CheckpointList:
-        entries = []
-        for ref, meta, size in self.store.list(training_run_id):
-            if meta.get("tenant", "") != tenant:
-                continue
-            entries.append(CheckpointEntry(checkpoint_id=hashlib.sha256(ref.path.encode()).hexdigest()[:16],
-                                           kind=ref.kind, path=ref.path, created_at=meta.get("created_at", 0.0),
-                                           size_bytes=size))
+        entries = [CheckpointEntry(checkpoint_id=checkpoint_id(ref.path), kind=ref.kind, path=ref.path,
+                                   created_at=meta.get("created_at", 0.0), size_bytes=size)
+                   for ref, meta, size in self.records(tenant, training_run_id)]
         return CheckpointList(checkpoints=entries)
 
     def delete(self, path_or_id: str, tenant: str) -> None:
         ref = self.owned_ref(self.resolve(path_or_id, tenant), tenant, "path")
         self.store.delete(ref)
         self.snapshots.pop(ref.path)
+        self.snapshot_expiry.pop(ref.path, None)
 
     @staticmethod
     def check_compatible(run, meta: dict) -> None:
@@ -118,7 +163,9 @@ class Checkpoints:
             return {"path": ref.path, "size": size, "model": run.base_model}
         meta = {"base_model": run.base_model, "lora": run.spec.model_dump(), "tenant": run.tenant,
                 "optim_steps": adapter.optim_steps, "ttl_seconds": op.ttl_seconds, "kind": kind,
-                "has_optimizer": kind == "state"}
+                "has_optimizer": kind == "state",
+                # the front end's labels: of this checkpoint, and of its run (kept so the run is known later)
+                "user_metadata": op.user_metadata, "run_user_metadata": run.user_metadata}
         tensors = {"adapter_model.safetensors": host.adapter_weights(adapter)}
         if kind == "state":
             tensors["optimizer.safetensors"] = host.optimizer_state(adapter)
@@ -139,17 +186,16 @@ class Checkpoints:
                                                         "choose another name or delete them first", "path")
         tensors, config = layout(host.adapter_weights(run.adapter), json.loads(host.peft_adapter_config(run.spec)),
                                  host.tied_head)
-        now = time.time()
         meta = {"base_model": run.base_model, "lora": run.spec.model_dump(), "tenant": run.tenant, "kind": "external",
-                "optim_steps": run.adapter.optim_steps, "ttl_seconds": ttl_seconds,
-                "expires_at": now + ttl_seconds if ttl_seconds else None, "encrypted": bool(recipients)}
+                "optim_steps": run.adapter.optim_steps, "ttl_seconds": ttl_seconds, "encrypted": bool(recipients),
+                "run_user_metadata": getattr(run, "user_metadata", None)}
         seal = (lambda folder: encrypt_folder(folder, recipients)) if recipients else None
         size = self.store.write(ref, meta, {"adapter_model.safetensors": tensors},
                                 {"adapter_config.json": json.dumps(config, indent=1), MARKER: ""}, seal=seal)
         return {"run_id": run.run_id, "name": name, "size": size}
 
     def owned_export(self, run_id: str, name: str, tenant: str) -> CheckpointRef:
-        """This tenant's external checkpoint ``name`` of run ``run_id``; else 404."""
+        """This tenant's (unexpired) external checkpoint ``name`` of run ``run_id``; else 404."""
         ref = CheckpointRef(run_id, "external", name)
         if not (RUN_RE.match(run_id) and NAME_RE.match(name) and self.store.exists(ref)
                 and self.store.read_meta(ref).get("tenant", "") == tenant):

@@ -8,6 +8,7 @@ itself (Tinker's per-model gate) hands them over with ``seq_id=None``: next in o
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +25,8 @@ from server_mock.service.quotas import check_queued
 from server_mock.service.validation import check_adam
 from server_mock.storage.checkpoints import check_name
 
+RUN_ID_RE = re.compile(r"^run-[0-9a-f]{16,32}$")
+
 
 @dataclass
 class TrainingRun:
@@ -32,6 +35,7 @@ class TrainingRun:
     base_model: str
     spec: LoraSpec
     adapter: Any  # the host's adapter object
+    user_metadata: dict[str, str] | None = None  # a front end's labels (Tinker create_model), kept in checkpoints
     last_seq: int = 0
     seqs: dict[int, tuple[str, str]] = field(default_factory=dict)  # seq_id -> (request_id, body hash)
     admitting: asyncio.Lock = field(default_factory=asyncio.Lock)  # ops from the network, one at a time
@@ -78,7 +82,11 @@ class Runs:
                               f"limit max_adapters={self.limits.max_adapters} reached on this worker (all tenants); "
                               "retry later or raise --max-adapters")
 
-    async def create(self, body: CreateTrainingRun, tenant: str) -> TrainingRun:
+    async def create(self, body: CreateTrainingRun, tenant: str, new_id: str | None = None) -> TrainingRun:
+        """A new run (``new_id``: its id, chosen by a front end that named the run before it existed; it must be
+        unused and of the form run ids have, ``run-<hex>``)."""
+        if new_id is not None and (new_id in self._runs or not RUN_ID_RE.match(new_id)):
+            raise bad_request("training_run_id", f"{new_id!r} is taken or not a run id (run-<hex>)")
         self._check_quota(tenant)
         meta = ref = None
         store = self.checkpoints.store
@@ -97,7 +105,7 @@ class Runs:
             base_model, spec = body.base_model, body.lora
         self._check_lora(spec)
         host = await self.models.host(base_model)
-        new_id = run_id("run")
+        new_id = new_id or run_id("run")
         made: list = []
 
         def create() -> dict:  # on the model's thread: checkpoint files are read there, off the event loop
@@ -118,6 +126,10 @@ class Runs:
         run = TrainingRun(new_id, tenant, base_model, stored_spec, made[0])
         self._runs[new_id] = run
         return run
+
+    def owned(self, tenant: str) -> list[TrainingRun]:
+        """This tenant's live runs."""
+        return [run for run in self._runs.values() if run.tenant == tenant]
 
     def get(self, training_run_id: str, tenant: str) -> TrainingRun:
         run = self._runs.get(training_run_id)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pytrio_compat.wire import CreateSampler, LoraSpec, SampleRequest
@@ -38,7 +39,8 @@ class Sampler:
 
 class Samplers:
     def __init__(self, models: Models, requests: RequestStore, checkpoints: Checkpoints, limits: Limits,
-                 allow_adapter_dirs: list[str] | None = None) -> None:
+                 allow_adapter_dirs: list[str] | None = None,
+                 dropped: Callable[[str], None] | None = None) -> None:
         self.models = models
         self.requests = requests
         self.checkpoints = checkpoints
@@ -49,6 +51,7 @@ class Samplers:
         self._samplers: TenantLRU[Sampler] = TenantLRU(limits.max_samplers)
         self._local_snapshots: TenantLRU[Snapshot] = TenantLRU(limits.max_snapshots)
         self._layouts: dict[str, dict[str, Layer]] = {}
+        self._dropped = dropped  # told the id of each sampler the cache drops (its records go with it)
 
     async def create(self, body: CreateSampler, tenant: str) -> Sampler:
         base_model = body.base_model
@@ -70,7 +73,9 @@ class Samplers:
         return self._add(Sampler(run_id("sampler"), tenant, base_model, body.model_path))
 
     def _add(self, sampler: Sampler) -> Sampler:
-        self._samplers.put(sampler.sampler_id, sampler.tenant, sampler)  # drops this tenant's least recently used
+        evicted = self._samplers.put(sampler.sampler_id, sampler.tenant, sampler)  # this tenant's least recently used
+        for sampler_id in evicted if self._dropped else ():
+            self._dropped(sampler_id)
         return sampler
 
     async def _create_local(self, body: CreateSampler, tenant: str) -> Sampler:
@@ -100,6 +105,11 @@ class Samplers:
             self._local_snapshots.put(key, sampler.tenant, snap)
         return snap
 
+    def drop(self, sampler_id: str, tenant: str) -> None:
+        """Forget a sampler (a front end whose clients never close theirs releases them); its weights stay."""
+        if self._samplers.owner(sampler_id) == tenant:
+            self._samplers.pop(sampler_id)
+
     def get(self, sampler_id: str, tenant: str) -> Sampler:
         sampler = self._samplers.get(sampler_id)
         if sampler is None or sampler.tenant != tenant:
@@ -115,6 +125,7 @@ class Samplers:
             key = f"{sampler.base_model}:local:{sampler.tenant}:{sampler.model_path}"
             return key, lambda: self._local_snapshot(sampler, host)
         snapshots = self.checkpoints.snapshots
+        self.checkpoints.drop_if_expired(sampler.model_path)
         cached = snapshots.get(sampler.model_path)
         if cached is not None:
             snap = cached[1]
@@ -135,6 +146,7 @@ class Samplers:
             spec = LoraSpec.model_validate(meta["lora"])
             tensors = store.read_tensors(ref, "adapter_model.safetensors")
             snap = Snapshot(hashlib.sha256(ref.path.encode()).hexdigest()[:16], spec, host.lora_targets(spec), tensors)
+            self.checkpoints.remember_expiry(sampler.model_path, meta)
             snapshots.put(sampler.model_path, sampler.tenant, (sampler.base_model, snap))
             return snap
 

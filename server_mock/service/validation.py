@@ -92,6 +92,7 @@ def validate_rows(loss_fn: str, data: Sequence[Mapping[str, np.ndarray]], host: 
     optional = losses.OPTIONAL_INPUTS[loss_fn]
     out = []
     total = 0
+    cells = 0
     for i, datum in enumerate(data):
         where = f"data[{i}]"
         tokens = datum["tokens"]
@@ -106,21 +107,56 @@ def validate_rows(loss_fn: str, data: Sequence[Mapping[str, np.ndarray]], host: 
         row = {"tokens": tokens}
         for key in required + optional:
             if key not in datum:
+                if key in losses.RECORDED_INPUTS:
+                    raise bad_request(f"{where}.loss_fn_inputs.{key}", RECORDED_HINT)
                 if key in required:
                     raise bad_request(f"{where}.loss_fn_inputs.{key}",
                                       f"required by loss {loss_fn!r} (needs {', '.join(required)})")
                 continue
-            row[key] = _loss_input(datum[key], key, n, f"{where}.loss_fn_inputs.{key}", host)
+            soft = key in losses.SOFT_TARGET_INPUTS.get(loss_fn, ())
+            row[key] = _loss_input(datum[key], key, n, f"{where}.loss_fn_inputs.{key}", host,
+                                   limits.max_target_k if soft else 0)
+        if any(row[key].ndim == 2 for key in losses.SOFT_TARGET_INPUTS.get(loss_fn, ()) if key in row):
+            cells += _check_soft_targets(row, where)
         out.append(row)
     if total > limits.max_tokens_per_request:
         raise WorkerError(413, "request_too_large", f"data: {total} tokens exceeds limit "
                                                     f"max_tokens_per_request={limits.max_tokens_per_request}", "data")
+    if cells > limits.max_target_cells:
+        raise WorkerError(413, "request_too_large", f"data: {cells} soft-target cells (N x K, all datums) exceeds "
+                                                    f"limit max_target_cells={limits.max_target_cells}", "data")
     return out
 
 
-def _loss_input(value: np.ndarray, key: str, n: int, where: str, host: ModelHost) -> np.ndarray:
-    if value.shape != (n,):
-        raise bad_request(where, f"must have shape [{n}] (the length of the tokens), got {list(value.shape)}")
+RECORDED_HINT = ("filled in by the worker from what it recorded at sampling time, never sent: sample with "
+                 "record_stability_info=True and name each datum's sampled sequences in its provenance spans "
+                 "(Datum.with_provenance; the Tinker protocol, /api/v1)")
+
+
+def _check_soft_targets(row: dict[str, np.ndarray], where: str) -> int:
+    """Soft targets [N, K] and their weights come together, of one shape; returns N x K."""
+    targets, weights = row["target_tokens"], row.get("weights")
+    if targets.ndim == 1:
+        raise bad_request(f"{where}.loss_fn_inputs.weights", f"weights of shape {list(weights.shape)} need "
+                                                              "target_tokens of the same shape (soft targets)")
+    if weights is None or weights.shape != targets.shape:
+        got = "none" if weights is None else list(weights.shape)
+        raise bad_request(f"{where}.loss_fn_inputs.weights", f"soft targets of shape {list(targets.shape)} need "
+                                                              f"weights of the same shape, got {got}")
+    return targets.size
+
+
+def _loss_input(value: np.ndarray, key: str, n: int, where: str, host: ModelHost, max_k: int = 0) -> np.ndarray:
+    """One loss input, checked: shape [n] (or [n, K], 1 <= K <= ``max_k``, where K values per position are
+    allowed), dtype, vocabulary and finiteness."""
+    if max_k and value.ndim == 2 and value.shape[0] == n:
+        if not 1 <= value.shape[1] <= max_k:
+            raise WorkerError(413 if value.shape[1] > max_k else 400, "invalid_soft_targets",
+                              f"{where}: K = {value.shape[1]} values per position must be in [1, {max_k}] "
+                              f"(limit max_target_k)", where)
+    elif value.shape != (n,):
+        two_d = f" or [{n}, K]" if max_k else ""
+        raise bad_request(where, f"must have shape [{n}]{two_d} (the length of the tokens), got {list(value.shape)}")
     if key == "target_tokens":
         if value.dtype != np.int64:
             raise bad_request(where, "must be int64 token ids")
@@ -128,8 +164,10 @@ def _loss_input(value: np.ndarray, key: str, n: int, where: str, host: ModelHost
         return value
     value = value.astype(np.float32)
     if not np.isfinite(value).all():
-        bad = int(np.flatnonzero(~np.isfinite(value))[0])
-        raise bad_request(where, f"must be finite; position {bad} is {value[bad]}")
+        bad = int(np.flatnonzero(~np.isfinite(value.reshape(-1)))[0])
+        cell = np.unravel_index(bad, value.shape)
+        at = f"position {cell[0]}" if value.ndim == 1 else f"cell {list(map(int, cell))}"
+        raise bad_request(where, f"must be finite; {at} is {value.reshape(-1)[bad]}")
     return value
 
 
@@ -138,9 +176,11 @@ def check_vocab(ids: np.ndarray, vocab_size: int, field_name: str, allow_ignore:
     if allow_ignore:
         bad &= ids != losses.IGNORE_INDEX
     if bad.any():
-        pos = int(np.flatnonzero(bad)[0])
+        flat = int(np.flatnonzero(bad.reshape(-1))[0])
+        cell = np.unravel_index(flat, ids.shape)
+        at = f"position {int(cell[0])}" if ids.ndim == 1 else f"cell {[int(c) for c in cell]}"
         hint = " (use -100 to ignore a position)" if allow_ignore else ""
-        raise bad_request(field_name, f"token id {int(ids[pos])} at position {pos} is outside the vocabulary "
+        raise bad_request(field_name, f"token id {int(ids.reshape(-1)[flat])} at {at} is outside the vocabulary "
                                       f"[0, {vocab_size}){hint}", code="token_id_out_of_range")
 
 

@@ -2,8 +2,9 @@
 
 It is composed of one object per resource, each with its dependencies given to its constructor:
 ``models`` (service/models.py: the served models, their hosts and queues), ``checkpoints``
-(service/checkpoints.py), ``runs`` (service/runs.py: training runs and their ops) and ``samplers``
-(service/samplers.py), sharing the ``requests`` store (engine/requests.py) and the ``limits``. Front ends
+(service/checkpoints.py), ``runs`` (service/runs.py: training runs and their ops), ``samplers``
+(service/samplers.py) and ``stability`` (service/stability.py: what samplers record for stable_reinforce),
+sharing the ``requests`` store (engine/requests.py) and the ``limits``. Front ends
 call their public methods. Requests are validated completely before they are queued, so a rejected request
 never touches an adapter.
 """
@@ -22,6 +23,7 @@ from server_mock.service.models import Models
 from server_mock.service.quotas import TenantLRU
 from server_mock.service.runs import Runs
 from server_mock.service.samplers import Samplers
+from server_mock.service.stability import StabilityRecords
 from server_mock.storage.archive import Archives
 from server_mock.storage.checkpoints import CheckpointStore
 from server_mock.training import faults
@@ -43,7 +45,9 @@ class WorkerService:
         self.checkpoints = Checkpoints(self.store, TenantLRU(self.limits.max_snapshots),
                                        Archives(self.store, self.limits.max_archive_builds))
         self.runs = Runs(self.models, self.requests, self.checkpoints, self.limits, self.fault_injection)
-        self.samplers = Samplers(self.models, self.requests, self.checkpoints, self.limits, allow_adapter_dirs)
+        self.stability = StabilityRecords(self.limits)  # per-sequence sampling records (stable_reinforce)
+        self.samplers = Samplers(self.models, self.requests, self.checkpoints, self.limits, allow_adapter_dirs,
+                                 dropped=self.stability.drop_sampler)
         self.started = time.time()
 
     def stop(self) -> None:

@@ -8,6 +8,10 @@ temporary folder that is fsynced and renamed into place: a checkpoint is whole o
 ``save_weights_external``, possibly encrypted); it has no ``trio://`` path, only its ``CheckpointRef``.
 Files whose names start with a dot (a cached download archive) are derived data: they are not counted
 in a checkpoint's size and go with the folder when it is overwritten or deleted.
+
+Expiry: a checkpoint saved with ``ttl_seconds`` (or given one later, ``set_expiry``) carries ``expires_at`` in its
+``meta.json``. From that moment it is absent to every reader (``exists``, ``read_meta``, ``list``), and the
+worker's sweeper deletes its folder (``sweep_expired``, every ``--checkpoint-sweep-seconds``).
 """
 
 from __future__ import annotations
@@ -61,6 +65,20 @@ def check_name(name: str, field: str = "name") -> str:
     return name
 
 
+def expires_at(meta: dict) -> float | None:
+    """When a checkpoint expires (seconds since the epoch), or None: ``expires_at``, else (checkpoints written
+    before it was stored) ``created_at + ttl_seconds``."""
+    if "expires_at" in meta:
+        return meta["expires_at"]
+    ttl = meta.get("ttl_seconds")
+    return meta.get("created_at", 0.0) + ttl if ttl else None
+
+
+def is_expired(meta: dict, now: float | None = None) -> bool:
+    when = expires_at(meta)
+    return when is not None and when <= (time.time() if now is None else now)
+
+
 class CheckpointStore:
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
@@ -69,15 +87,24 @@ class CheckpointStore:
     def folder(self, ref: CheckpointRef) -> Path:
         return self.root / "checkpoints" / ref.run_id / ref.kind / ref.name
 
+    def _meta_or_none(self, ref: CheckpointRef) -> dict | None:
+        """Its metadata, or None when it is absent or expired."""
+        path = self.folder(ref) / "meta.json"
+        try:
+            meta = json.loads(path.read_text())
+        except FileNotFoundError:
+            return None
+        return None if is_expired(meta) else meta
+
     def exists(self, ref: CheckpointRef) -> bool:
-        return (self.folder(ref) / "meta.json").exists()
+        return self._meta_or_none(ref) is not None
 
     def write(self, ref: CheckpointRef, meta: dict, tensors: dict[str, dict[str, torch.Tensor]],
               files: dict[str, str], overwrite: bool = False, seal: Callable[[Path], None] | None = None) -> int:
         """Write tensor files (name -> state dict) and text files atomically; return the size in bytes.
         ``seal(folder)`` may transform the written files (encrypt them) before they are put in place."""
         final = self.folder(ref)
-        if final.exists() and not overwrite:
+        if final.exists() and not overwrite and self.exists(ref):  # an expired one is gone: its name is free
             raise WorkerError(409, "checkpoint_exists", f"name: checkpoint {ref.path} already exists; "
                                                         "pass overwrite=True or choose another name", "name")
         final.parent.mkdir(parents=True, exist_ok=True)
@@ -87,7 +114,10 @@ class CheckpointStore:
                 save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(tmp / filename))
             for filename, text in files.items():
                 (tmp / filename).write_text(text)
-            (tmp / "meta.json").write_text(json.dumps({**meta, "created_at": time.time()}, indent=1))
+            created = time.time()
+            ttl = meta.get("ttl_seconds")
+            stamped = {**meta, "created_at": created, "expires_at": created + ttl if ttl else None}
+            (tmp / "meta.json").write_text(json.dumps(stamped, indent=1))
             if seal is not None:
                 seal(tmp)
             for item in tmp.iterdir():
@@ -107,10 +137,28 @@ class CheckpointStore:
         return folder_size(final)
 
     def read_meta(self, ref: CheckpointRef) -> dict:
-        path = self.folder(ref) / "meta.json"
-        if not path.exists():
+        meta = self._meta_or_none(ref)
+        if meta is None:
             raise WorkerError(404, "checkpoint_not_found", f"path: no checkpoint at {ref.path}", "path")
-        return json.loads(path.read_text())
+        return meta
+
+    def set_expiry(self, ref: CheckpointRef, when: float | None) -> dict:
+        """Give a checkpoint a new expiry time (None: it never expires); its metadata is replaced atomically.
+        Returns the new metadata."""
+        meta = {**self.read_meta(ref), "expires_at": when}
+        folder = self.folder(ref)
+        fd, tmp = tempfile.mkstemp(prefix=".meta-", dir=folder)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(meta, indent=1))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, folder / "meta.json")
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        _fsync(folder)
+        return meta
 
     def read_tensors(self, ref: CheckpointRef, filename: str) -> dict[str, torch.Tensor]:
         path = self.folder(ref) / filename
@@ -132,16 +180,10 @@ class CheckpointStore:
             raise WorkerError(404, "checkpoint_not_found", f"path: no checkpoint at {ref.path}", "path")
         shutil.rmtree(self.folder(ref))
 
-    def set_expiry(self, ref: CheckpointRef, expires_at: float | None) -> None:
-        """Replace the checkpoint's expiry (unix seconds; None: never), atomically."""
-        meta = self.read_meta(ref)
-        meta["expires_at"] = expires_at
-        path = self.folder(ref) / "meta.json"
-        tmp = path.with_name(f".meta.json.tmp-{os.getpid()}-{time.monotonic_ns()}")
-        tmp.write_text(json.dumps(meta, indent=1))
-        os.replace(tmp, path)
-
-    def list(self, run_id: str | None = None, kinds: tuple[str, ...] = KINDS) -> list[tuple[CheckpointRef, dict, int]]:
+    def list(self, run_id: str | None = None, include_expired: bool = False,
+             kinds: tuple[str, ...] = KINDS) -> list[tuple[CheckpointRef, dict, int]]:
+        """(ref, metadata, size in bytes) of every checkpoint (of one run) of ``kinds``, expired ones left out
+        unless asked."""
         base = self.root / "checkpoints"
         if run_id and not RUN_RE.match(run_id):
             raise bad_request("training_run_id", f"invalid run id {run_id!r}")
@@ -156,28 +198,24 @@ class CheckpointStore:
                 for ckpt in sorted(folder.iterdir()):
                     if ckpt.name.startswith(".") or not (ckpt / "meta.json").exists():
                         continue
-                    ref = CheckpointRef(run.name, kind, ckpt.name)
-                    out.append((ref, json.loads((ckpt / "meta.json").read_text()), folder_size(ckpt)))
+                    try:
+                        meta = json.loads((ckpt / "meta.json").read_text())
+                        size = folder_size(ckpt)
+                    except FileNotFoundError:  # deleted while listed
+                        continue
+                    if include_expired or not is_expired(meta):
+                        out.append((CheckpointRef(run.name, kind, ckpt.name), meta, size))
         return out
 
-    def sweep_expired(self) -> int:
-        """Delete checkpoints (of every kind) whose expiry has passed; returns how many. The expiry is
-        ``expires_at`` when the checkpoint has one (set_expiry), else ``created_at + ttl_seconds``."""
-        removed = 0
+    def sweep_expired(self) -> list[CheckpointRef]:
+        """Delete the checkpoints (of every kind) whose expiry time has passed; returns them."""
+        removed = []
         now = time.time()
-        for ref, meta, _ in self.list(kinds=ALL_KINDS):
-            if expires_at(meta, now) < now:
+        for ref, meta, _ in self.list(include_expired=True, kinds=ALL_KINDS):
+            if is_expired(meta, now):
                 shutil.rmtree(self.folder(ref), ignore_errors=True)
-                removed += 1
+                removed.append(ref)
         return removed
-
-
-def expires_at(meta: dict, now: float | None = None) -> float:
-    """When a checkpoint expires, in unix seconds (infinity for never)."""
-    if "expires_at" in meta:
-        return float("inf") if meta["expires_at"] is None else float(meta["expires_at"])
-    ttl = meta.get("ttl_seconds")
-    return meta.get("created_at", time.time() if now is None else now) + ttl if ttl else float("inf")
 
 
 def folder_size(folder: Path) -> int:

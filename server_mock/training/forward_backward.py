@@ -27,10 +27,12 @@ class TrainModel:
 
 
 def run_forward_backward(model: TrainModel, data: list[dict[str, np.ndarray]], loss_fn: str,
-                         config: dict[str, float], backward: bool) -> dict:
-    """Per-datum logprobs and losses of ``data`` with the model's active adapter; with ``backward`` the
-    summed loss's gradient accumulates. Datums sharing a prompt prefix run it once (prefix_sharing.py)."""
-    results = _Results(data, loss_fn, config, model.device)
+                         config: dict[str, float], backward: bool, loss_scale: float = 1.0) -> dict:
+    """Per-datum logprobs and losses of ``data`` with the model's active adapter; with ``backward`` the gradient of
+    the summed loss times ``loss_scale`` accumulates (1: the sum itself; a front end whose protocol reduces by a
+    mean over a call it may split passes 1/denominator). The losses and metrics are never scaled. Datums sharing a
+    prompt prefix run it once (prefix_sharing.py)."""
+    results = _Results(data, loss_fn, config, model.device, loss_scale)
     passes = prefix_planning.plan([d["tokens"] for d in data], model.micro_batch_tokens, model.prefix_share_min_tokens)
     with torch.set_grad_enabled(backward):
         for batch, chunks in passes.shared:
@@ -50,9 +52,10 @@ def run_forward_backward(model: TrainModel, data: list[dict[str, np.ndarray]], l
 
 
 def _target_logprobs(model: TrainModel, rows: list[dict[str, np.ndarray]]) -> torch.Tensor:
-    """float32 logprob of each target token, [B, T] (0 where the target is ignored or padding)."""
+    """float32 logprob of each target token, [B, T] (0 where the target is ignored or padding); [B, T, K] when a
+    row has soft targets (``_padded_targets``)."""
     ids, attention = _padded([r["tokens"] for r in rows], model.device)
-    targets, _ = _padded([_targets(r) for r in rows], model.device)
+    targets = _padded_targets([_targets(r) for r in rows], model.device)
     return token_logprobs(model.logits(input_ids=ids, attention_mask=attention, use_cache=False), targets)
 
 
@@ -61,22 +64,50 @@ def _shared_logprobs(model: TrainModel, shared: prefix_sharing.SharedPrefix, row
     """Like ``_target_logprobs``, for rows that start with ``shared``'s prefixes (row i with prefix which[i])."""
     n = shared.prefix_len
     ids, attention = _padded([r["tokens"][n:] for r in rows], model.device)
-    targets, _ = _padded([_targets(r)[n:] for r in rows], model.device)
-    prefix_targets = torch.from_numpy(np.stack([_targets(r)[:n] for r in rows])).to(model.device)
+    targets = _padded_targets([_targets(r)[n:] for r in rows], model.device)
+    prefix_targets = _padded_targets([_targets(r)[:n] for r in rows], model.device, targets.shape[2:])
     return torch.cat([token_logprobs(shared.logits, prefix_targets, which),
                       token_logprobs(shared.remainder_logits(ids, attention, which), targets)], dim=1)
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-    """float32 log-probability of each target token: logits [B, T, V], targets [B, T] -> [B, T]. With ``rows``,
-    target row i reads logits row rows[i] (prefix logits shared by several datums, never copied per datum).
-    No second (B, T, V) tensor in the forward pass."""
+    """float32 log-probability of each target token: logits [B, T, V], targets [B, T] -> [B, T] (or soft targets
+    [B, T, K] -> [B, T, K]). With ``rows``, target row i reads logits row rows[i] (prefix logits shared by several
+    datums, never copied per datum). No second (B, T, V) tensor in the forward pass."""
     logits = logits.float()
     norm = torch.logsumexp(logits, dim=-1)
+    if targets.ndim == 3:
+        return _soft_token_logprobs(logits, norm, targets, rows)
     if rows is None:
         return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - norm
     positions = torch.arange(targets.shape[1], device=targets.device)
     return logits[rows[:, None], positions[None, :], targets] - norm[rows]
+
+
+def _soft_token_logprobs(logits: torch.Tensor, norm: torch.Tensor, targets: torch.Tensor,
+                         rows: torch.Tensor | None) -> torch.Tensor:
+    """``token_logprobs`` for K targets per position: [B, T, K]."""
+    if rows is None:
+        return logits.gather(-1, targets) - norm[..., None]
+    positions = torch.arange(targets.shape[1], device=targets.device)
+    return logits[rows[:, None, None], positions[None, :, None], targets] - norm[rows][..., None]
+
+
+def _padded_targets(rows: list[np.ndarray], device: str, trailing: tuple = ()) -> torch.Tensor:
+    """Right-padded targets: [B, T] when every row is 1-D (and ``trailing`` is empty), else [B, T, K] with K the
+    widest row (``trailing`` forces it), a 1-D row in column 0; padding points at token 0 (masked by the loss)."""
+    width = max([r.shape[1] for r in rows if r.ndim == 2] + list(trailing), default=0)
+    if not width:
+        return _padded(rows, device)[0]
+    longest = max(len(r) for r in rows)
+    out = torch.zeros((len(rows), longest, width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        cells = torch.from_numpy(np.asarray(r, dtype=np.int64))
+        if r.ndim == 1:
+            out[i, :len(r), 0] = cells
+        else:
+            out[i, :len(r), :r.shape[1]] = cells
+    return out.to(device)
 
 
 def _targets(datum: dict[str, np.ndarray]) -> np.ndarray:
@@ -96,11 +127,20 @@ def _padded(rows: list[np.ndarray], device: str) -> tuple[torch.Tensor, torch.Te
     return ids.to(device), attention.to(device)
 
 
+def _datum_logprobs(logprobs: torch.Tensor, targets: np.ndarray) -> torch.Tensor:
+    """One datum's rows of a micro-batch's logprobs ([n] or [n, K_max]) in its targets' shape ([n] or [n, K])."""
+    if logprobs.ndim == 1:
+        return logprobs
+    return logprobs[:, 0] if targets.ndim == 1 else logprobs[:, :targets.shape[1]]
+
+
 class _Results:
     """Per-datum losses, logprobs and the call's metrics, filled one micro-batch at a time."""
 
-    def __init__(self, data: list[dict[str, np.ndarray]], loss_fn: str, config: dict[str, float], device: str):
+    def __init__(self, data: list[dict[str, np.ndarray]], loss_fn: str, config: dict[str, float], device: str,
+                 loss_scale: float = 1.0):
         self.data, self.loss_fn, self.config, self.device = data, loss_fn, config, device
+        self.loss_scale = loss_scale
         self.outputs: list[dict[str, np.ndarray] | None] = [None] * len(data)
         self.loss_sum = 0.0
         self.token_count = 0
@@ -112,7 +152,8 @@ class _Results:
             datum = self.data[index]
             n = len(datum["tokens"])
             inputs = {k: torch.from_numpy(v).to(self.device) for k, v in datum.items() if k != "tokens"}
-            result = losses.compute_loss(self.loss_fn, logprobs[row, :n], inputs, self.config)
+            row_lp = _datum_logprobs(logprobs[row, :n], datum["target_tokens"])
+            result = losses.compute_loss(self.loss_fn, row_lp, inputs, self.config)
             if not torch.isfinite(result.loss):
                 raise WorkerError(422, "non_finite_loss",
                                   f"data[{index}]: the loss is not finite; check logprobs/advantages", "data")
@@ -120,11 +161,11 @@ class _Results:
             self.loss_sum += float(result.loss.detach())
             self.token_count += result.token_count
             mask = inputs["target_tokens"] != losses.IGNORE_INDEX
-            lp = torch.where(mask, logprobs[row, :n].detach(), torch.zeros_like(logprobs[row, :n]))
+            lp = torch.where(mask, row_lp.detach(), torch.zeros_like(row_lp))
             self.outputs[index] = {"logprobs": lp.float().cpu().numpy(),
                                    "elementwise_loss": result.elementwise.float().cpu().numpy()}
         if backward and total is not None and total.requires_grad:
-            total.backward()
+            (total if self.loss_scale == 1.0 else total * self.loss_scale).backward()
 
     def summary(self) -> dict:
         metrics = {

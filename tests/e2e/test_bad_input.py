@@ -69,6 +69,10 @@ OP_CASES = [
     ("ppo low > high", fb(config={"clip_low_threshold": 1.5, "clip_high_threshold": 1.2}, loss_fn="ppo"),
      400, "clip"),
     ("config not numeric", fb(config={"beta": "lots"}, loss_fn="dro"), 400, "beta"),
+    # stable_reinforce reads the worker's sampling records, which only the Tinker protocol links to a datum
+    ("client-sent sampling records", fb([datum(inputs={"recorded_logprobs": wt([-1.0] * 6, "float32"),
+                                                      "recorded_mask": wt([1.0] * 6, "float32")})],
+                                        loss_fn="stable_reinforce"), 400, "recorded_logprobs"),
     ("negative learning rate", {"op": "optim_step", "adam_params": {"learning_rate": -1e-3}}, 400, "learning_rate"),
     ("beta1 = 1", {"op": "optim_step", "adam_params": {"beta1": 1.0}}, 400, "beta1"),
     ("eps = 0", {"op": "optim_step", "adam_params": {"eps": 0.0}}, 400, "eps"),

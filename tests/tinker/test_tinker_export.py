@@ -212,7 +212,7 @@ def test_ttl_delete_and_tenants_of_exports(env, tiny_model_dir):
     assert json.loads(httpx.get(urls["adapter_config.json"]).content)["r"] == 4
 
     store.set_expiry(ref, time.time() - 1)  # expired: the sweeper removes exports like other checkpoints
-    assert store.sweep_expired() == 1 and not store.exists(ref)
+    assert store.sweep_expired() == [ref] and not store.exists(ref)
     assert httpx.get(urls["adapter_config.json"]).status_code == 404
     path2 = tc.save_weights_external("deleted").result().path
     rest.delete_checkpoint_from_tinker_path(path2).result()

@@ -33,12 +33,32 @@ def make_datum(seed: int) -> dict[str, np.ndarray]:
     adv[rng.random(N) < 0.2] = 0.0
     w = rng.random(N)
     w[rng.random(N) < 0.2] = 0.0
-    return {"target_tokens": targets, "lp": lp, "logprobs": q, "advantages": adv, "weights": w}
+    recorded = (rng.random(N) < 0.7).astype(float)  # stable_reinforce: the positions the sampler recorded
+    mu = lp + 0.5 * rng.standard_normal(N)  # their recorded sampler logprobs (ratios on both sides of 1)
+    ratio_mask = (rng.random(N) < 0.6).astype(float)  # gspo: the positions of the sequence ratio
+    return {"target_tokens": targets, "lp": lp, "logprobs": q, "advantages": adv, "weights": w,
+            "recorded_mask": recorded, "recorded_logprobs": mu * recorded, "sequence_ratio_mask": ratio_mask}
 
 
-def ref_token(loss_fn: str, lp: float, q: float, a: float, w: float, cfg: dict) -> float:
-    """Per-token loss, written straight from the formulas."""
-    r = math.exp(lp - q)
+def gspo_ratio(d: dict, lp: np.ndarray) -> float:
+    """GSPO's sequence ratio: exp of the mean log-ratio over the live positions of the ratio mask."""
+    live = [i for i in range(len(lp)) if d["target_tokens"][i] != -100 and d["sequence_ratio_mask"][i] != 0]
+    return math.exp(sum(lp[i] - d["logprobs"][i] for i in live) / len(live)) if live else 1.0
+
+
+def ref_token(loss_fn: str, lp: float, q: float, a: float, w: float, cfg: dict, r: float | None = None,
+              mu: float | None = None) -> float:
+    """Per-token loss, written straight from the formulas (gspo: ``r`` is the sequence ratio; stable_reinforce:
+    ``mu`` the recorded sampler logprob, None off the recorded positions)."""
+    r = math.exp(lp - q) if r is None else r
+    if loss_fn == "gspo":
+        clipped = min(max(r, cfg["clip_low_threshold"]), cfg["clip_high_threshold"])
+        return -min(r * a, clipped * a)
+    if loss_fn == "stable_reinforce":
+        if mu is None:
+            return 0.0
+        ratio = math.exp(lp - mu)
+        return -min(ratio, 1.0) * a * lp + cfg["kl_coeff"] * (ratio - 1.0 - (lp - mu))
     if loss_fn == "cross_entropy":
         return -w * lp
     if loss_fn == "importance_sampling":
@@ -54,15 +74,22 @@ def ref_token(loss_fn: str, lp: float, q: float, a: float, w: float, cfg: dict) 
     raise AssertionError(loss_fn)
 
 
-def ref_grad_token(loss_fn: str, lp: float, q: float, a: float, w: float, cfg: dict) -> float:
-    """d(per-token loss)/d lp, derived by hand (ratio is stop-gradient in cispo)."""
-    r = math.exp(lp - q)
+def ref_grad_token(loss_fn: str, lp: float, q: float, a: float, w: float, cfg: dict, r: float | None = None,
+                   mu: float | None = None) -> float:
+    """d(per-token loss)/d lp, derived by hand (ratio is stop-gradient in cispo; gspo's token ratio has the
+    sequence ratio's value and d/d lp_t = that value; stable_reinforce's weight min(r, 1) is stop-gradient)."""
+    r = math.exp(lp - q) if r is None else r
     lo, hi = cfg.get("clip_low_threshold"), cfg.get("clip_high_threshold")
+    if loss_fn == "stable_reinforce":
+        if mu is None:
+            return 0.0
+        ratio = math.exp(lp - mu)
+        return -min(ratio, 1.0) * a + cfg["kl_coeff"] * (ratio - 1.0)
     if loss_fn == "cross_entropy":
         return -w
     if loss_fn == "importance_sampling":
         return -r * a
-    if loss_fn == "ppo":
+    if loss_fn in ("ppo", "gspo"):
         clipped = min(max(r, lo), hi)
         if r * a <= clipped * a or lo < r < hi:  # unclipped branch active
             return -r * a
@@ -74,13 +101,23 @@ def ref_grad_token(loss_fn: str, lp: float, q: float, a: float, w: float, cfg: d
     raise AssertionError(loss_fn)
 
 
+def token_args(loss_fn: str, d: dict, i: int, lp: np.ndarray) -> dict:
+    """The per-datum quantities ref_token needs beyond the position's own inputs."""
+    if loss_fn == "gspo":
+        return {"r": gspo_ratio(d, lp)}
+    if loss_fn == "stable_reinforce":
+        return {"mu": d["recorded_logprobs"][i] if d["recorded_mask"][i] else None}
+    return {}
+
+
 def ref_loss(loss_fn: str, d: dict, cfg: dict, lp: np.ndarray | None = None) -> float:
     lp = d["lp"] if lp is None else lp
     total = 0.0
     for i in range(N):
         if d["target_tokens"][i] == -100:
             continue
-        total += ref_token(loss_fn, lp[i], d["logprobs"][i], d["advantages"][i], d["weights"][i], cfg)
+        total += ref_token(loss_fn, lp[i], d["logprobs"][i], d["advantages"][i], d["weights"][i], cfg,
+                           **token_args(loss_fn, d, i, lp))
     return total
 
 
@@ -101,6 +138,8 @@ CFGS = {
     "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
     "cispo": {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
     "dro": {"beta": 0.05},
+    "gspo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+    "stable_reinforce": {"kl_coeff": 0.3},  # large enough that the KL term weighs in the comparison
 }
 
 
@@ -119,13 +158,15 @@ def test_value_and_grad_match_reference(loss_fn, seed):
     expected_elem = np.zeros(N)
     for i in np.flatnonzero(mask):
         args = (d["lp"][i], d["logprobs"][i], d["advantages"][i], d["weights"][i], cfg)
-        expected_grad[i] = ref_grad_token(loss_fn, *args)
-        expected_elem[i] = ref_token(loss_fn, *args)
+        extra = token_args(loss_fn, d, i, d["lp"])
+        expected_grad[i] = ref_grad_token(loss_fn, *args, **extra)
+        expected_elem[i] = ref_token(loss_fn, *args, **extra)
     np.testing.assert_allclose(grad, expected_grad, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(res.elementwise.numpy(), expected_elem, rtol=1e-5, atol=1e-5)
     assert not res.elementwise.requires_grad
 
-    if loss_fn != "cispo":  # the stop-gradient makes cispo's gradient differ from d(value)/d lp
+    # stop-gradients make cispo's, gspo's and stable_reinforce's gradients differ from d(value)/d lp
+    if loss_fn not in ("cispo", "gspo", "stable_reinforce"):
         eps = 1e-6
         fd = np.zeros(N)
         for i in range(N):
@@ -226,9 +267,15 @@ def test_token_count_rules():
     }
     assert run("cross_entropy", d, {})[0].token_count == 3  # mask & w != 0: positions 1, 3, 4
     assert run("cross_entropy", d, {}, drop_weights=True)[0].token_count == 4  # weights default to ones
-    for loss_fn in ("importance_sampling", "ppo", "cispo"):
+    for loss_fn in ("importance_sampling", "ppo", "cispo", "gspo"):
+        d["sequence_ratio_mask"] = np.ones(6)
         assert run(loss_fn, d, CFGS[loss_fn])[0].token_count == 2  # mask & A != 0: positions 2, 3
     assert run("dro", d, CFGS["dro"])[0].token_count == 4  # mask only
+    # stable_reinforce: the recorded (sampled) positions; with kl_coeff = 0 only those with A != 0
+    d["recorded_mask"] = np.array([1.0, 1.0, 1.0, 0.0, 1.0, 1.0])
+    d["recorded_logprobs"] = np.full(6, -1.1) * d["recorded_mask"]
+    assert run("stable_reinforce", d, {"kl_coeff": 0.5})[0].token_count == 3  # positions 1, 2, 4
+    assert run("stable_reinforce", d, {"kl_coeff": 0.0})[0].token_count == 1  # position 2
 
 
 def test_cross_entropy_default_weights():
@@ -249,6 +296,8 @@ def test_masked_garbage_does_not_leak(loss_fn):
     d["logprobs"] = np.where(masked, -np.inf, d["logprobs"])
     d["advantages"] = np.where(masked, np.nan, d["advantages"])
     d["weights"] = np.where(masked, np.nan, d["weights"])
+    d["recorded_logprobs"] = np.where(masked, np.nan, d["recorded_logprobs"])
+    d["sequence_ratio_mask"] = np.where(masked, 1.0, d["sequence_ratio_mask"])  # masked: never in the ratio
     res, g = run(loss_fn, d, CFGS[loss_fn], lp=lp)
     assert math.isfinite(res.loss.item())
     assert np.all(np.isfinite(g)) and np.all(g[masked] == 0)
@@ -303,6 +352,9 @@ def test_resolve_defaults():
     assert resolve_loss_config("ppo", None) == {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
     assert resolve_loss_config("cispo", None) == {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}
     assert resolve_loss_config("dro", None) == {"beta": 0.05}
+    assert resolve_loss_config("gspo", None) == {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+    assert resolve_loss_config("stable_reinforce", None) == {"kl_coeff": 0.01}
+    assert resolve_loss_config("stable_reinforce", {"kl_coeff": 0}) == {"kl_coeff": 0.0}
     out = resolve_loss_config("ppo", {"clip_high_threshold": 2})
     assert out == {"clip_low_threshold": 0.8, "clip_high_threshold": 2.0}
     assert isinstance(out["clip_high_threshold"], float)
@@ -348,6 +400,11 @@ def test_resolve_unknown_key(loss_fn, key, accepted):
         ("ppo", {"clip_low_threshold": 1.2}, "clip_high_threshold"),  # lo == hi not allowed for ppo
         ("cispo", {"clip_low_threshold": 5.0}, "clip_high_threshold"),
         ("cispo", {"clip_low_threshold": -1.0}, "clip_low_threshold"),
+        ("gspo", {"clip_low_threshold": 1.2}, "clip_high_threshold"),
+        ("gspo", {"epsilon": 0.2}, "epsilon"),
+        ("stable_reinforce", {"kl_coeff": -0.01}, "kl_coeff"),
+        ("stable_reinforce", {"kl_coeff": float("nan")}, "kl_coeff"),
+        ("stable_reinforce", {"beta": 0.1}, "beta"),
     ],
 )
 def test_resolve_bad_values(loss_fn, config, field):

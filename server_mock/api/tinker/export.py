@@ -18,8 +18,8 @@ cookbook's ``build_lora_adapter`` is exact, and its ``build_hf_model`` refuses (
 exist in the model state dict") instead of writing a model that differs from the trained one;
 ``pytrio-compat export --merged`` writes the exact merged model of either kind (see docs/tinker.md).
 
-The TTL and delete routes here serve ``external_weights`` checkpoints only (the exports these tools make and
-remove); the other kinds' REST routes are elsewhere.
+The TTL and delete routes here serve ``external_weights`` checkpoints (the exports these tools make and
+remove); they come before rest.py's routes for the other kinds, whose ``trio://`` paths exports do not have.
 """
 
 from __future__ import annotations
@@ -36,13 +36,13 @@ from starlette.responses import Response
 from server_mock.api.downloads import ARCHIVE, Downloads, Served
 from server_mock.api.tinker.endpoint import field, read_json, read_json_sized
 from server_mock.api.tinker.paths import to_trio_path
+from server_mock.api.tinker.rest import MAX_TTL_SECONDS, MIN_TTL_SECONDS, run_id_of
 from server_mock.api.tinker.state import TinkerState
 from server_mock.api.tinker.submit import gated
 from server_mock.errors import WorkerError, bad_request
 from server_mock.storage.encryption import parse_recipients
 
 EXTERNAL = "tinker-external-weights"
-MIN_TTL_SECONDS, MAX_TTL_SECONDS = 3600, 10 * 365 * 24 * 3600  # Tinker's bounds: 1 hour to 10 years
 TINKER_HEAD = "model.unembed_tokens"
 
 
@@ -65,6 +65,11 @@ def _ttl(value, field_name: str = "ttl_seconds") -> int | None:
         raise bad_request(field_name, f"must be an integer number of seconds in [{MIN_TTL_SECONDS}, {MAX_TTL_SECONDS}]"
                                       f" (1 hour to 10 years) or null for no expiry, got {value!r}")
     return value
+
+
+def _run(state: TinkerState, request: Request, tenant: str) -> str:
+    """The worker's run id in the URL: the run of a tinker:// path, or a Tinker model id."""
+    return run_id_of(state, tenant, request.path_params["run"])
 
 
 def _iso(moment: datetime) -> str:
@@ -109,7 +114,7 @@ class Export:
     # --- GET .../external_weights/{name}/external_weights_urls ------------------------------------------------
 
     async def external_weights_urls(self, state: TinkerState, request: Request, tenant: str):
-        run_id, name = request.path_params["run"], request.path_params["name"]
+        run_id, name = _run(state, request, tenant), request.path_params["name"]
         checkpoints = state.service.checkpoints
         checkpoint = await asyncio.to_thread(checkpoints.owned_export, run_id, name, tenant)
         files = await asyncio.to_thread(_files, checkpoints.store.folder(checkpoint))
@@ -128,14 +133,14 @@ class Export:
             raise bad_request("ttl_seconds", "required: seconds from now, or null for no expiry")
         ttl = _ttl(body["ttl_seconds"])
         checkpoints = state.service.checkpoints
-        checkpoint = await asyncio.to_thread(checkpoints.owned_export, request.path_params["run"],
+        checkpoint = await asyncio.to_thread(checkpoints.owned_export, _run(state, request, tenant),
                                              request.path_params["name"], tenant)
         await asyncio.to_thread(checkpoints.store.set_expiry, checkpoint, time.time() + ttl if ttl else None)
         return {}
 
     async def delete(self, state: TinkerState, request: Request, tenant: str):
         checkpoints = state.service.checkpoints
-        checkpoint = await asyncio.to_thread(checkpoints.owned_export, request.path_params["run"],
+        checkpoint = await asyncio.to_thread(checkpoints.owned_export, _run(state, request, tenant),
                                              request.path_params["name"], tenant)
         await asyncio.to_thread(checkpoints.store.delete, checkpoint)
         return {}
@@ -147,7 +152,8 @@ class Export:
         if kind == "external_weights":
             raise bad_request("checkpoint_id", "external weights are downloaded file by file: use "
                                                "RestClient.get_external_weights_urls", code="not_downloadable")
-        path = to_trio_path(f"tinker://{request.path_params['run']}/{kind}/{name}", "checkpoint_id")
+        run_id = _run(state, request, tenant)
+        path = to_trio_path(f"tinker://{run_id}/{kind}/{name}", "checkpoint_id")
         url, expires = await self.downloads.url_for(request, ARCHIVE, path, tenant)
         body = json.dumps({"url": url, "expires": _iso(expires)})
         return Response(body, status_code=302, media_type="application/json",

@@ -7,10 +7,11 @@ protocol shares the worker with the others. See docs/tinker.md.
 
 The routes live with their resource: sessions (sessions and training models), training (forward/backward,
 optimizer steps), weights (save, load, describe), sampling (sampling sessions, asample), futures
-(retrieve_future) and export (external weights and checkpoint archives, served through api/downloads.py).
-state holds what they share, gate the per-model seq_id ordering (holding bounds what waiting requests keep)
-and submit the hand-over to the service in that order, endpoint the HTTP plumbing, paths the tinker:// names.
-The bounds are listed in docs/reliability.md ("Tinker protocol hardening").
+(retrieve_future), rest (training runs, checkpoints and sessions for ``RestClient``; records builds its
+answers) and export (external weights and checkpoint archives, served through api/downloads.py). state holds
+what they share, gate the per-model seq_id ordering (holding bounds what waiting requests keep) and submit the
+hand-over to the service in that order, provenance the records behind stable_reinforce, endpoint the HTTP
+plumbing, paths the tinker:// names. The bounds are listed in docs/reliability.md ("Tinker protocol hardening").
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from starlette.requests import Request
 from starlette.routing import Route
 
 from server_mock.api.downloads import Downloads
-from server_mock.api.tinker import sampling, sessions, training, weights
+from server_mock.api.tinker import rest, sampling, sessions, training, weights
 from server_mock.api.tinker.endpoint import JSON, PROTOBUF, endpoint, tenant_of
 from server_mock.api.tinker.export import Export
 from server_mock.api.tinker.futures import retrieve_future
@@ -72,5 +73,6 @@ def tinker_routes(service, auth, downloads: Downloads | None = None) -> list[Rou
         route(checkpoint + "/external_weights/{name}/ttl", export.set_ttl, methods=("PUT",)),
         route(checkpoint + "/external_weights/{name}", export.delete, methods=("DELETE",)),
         route(checkpoint + "/{kind}/{name}/archive", export.archive, methods=("GET",)),
+        *(route(path, handler, methods=methods) for path, handler, methods in rest.ROUTES),
         route("/{rest:path}", unsupported, methods=("GET", "POST", "PUT", "PATCH", "DELETE")),
     ]

@@ -13,6 +13,7 @@ import asyncio
 from starlette.requests import Request
 
 from pytrio_compat.wire import CreateSampler, SampleRequest, WireSamplingParams
+from server_mock.api.tinker import provenance
 from server_mock.api.tinker.endpoint import field, read_json, read_json_sized
 from server_mock.api.tinker.futures import raise_
 from server_mock.api.tinker.paths import to_tinker_path, to_trio_path
@@ -44,6 +45,7 @@ async def create_sampling_session(state: TinkerState, request: Request, tenant: 
         state.count_creation(session, "sampling_session_seq_id")
         sampler = await state.service.samplers.create(create, tenant)
         state.sampling_sessions[key] = sampler.sampler_id
+        state.add_session_sampler(session, sampler.sampler_id)
     return {"sampling_session_id": state.sampling_sessions[key], "type": "create_sampling_session"}
 
 
@@ -152,7 +154,11 @@ async def asample(state: TinkerState, request: Request, tenant: str):
     request_id = state.futures.new_id()
     count = num if isinstance(num, int) and 0 < num <= service.limits.max_num_samples else 0
     sequence_ids = [f"{request_id}:{i}" for i in range(count)]
+    record = body.get("record_stability_info") is True  # stable_reinforce: keep what each sequence was
+    scope = state.sampler_sessions.get(sampler.sampler_id)
     try:
+        if record and scope is None:
+            raise bad_request("record_stability_info", provenance.NO_SESSION)
         host = await service.models.host(sampler.base_model)
         wire, last_n, topk = sample_request(state, body, host.max_seq_len)
         job = service.samplers.submit(sampler.sampler_id, wire, tenant)
@@ -163,8 +169,14 @@ async def asample(state: TinkerState, request: Request, tenant: str):
     except Exception as exc:  # noqa: BLE001 - a bad request is a failed future
         state.futures.add_guarded(tenant, raise_(exc), request_id)
     else:
+        def recorded_and_encoded(result: dict) -> bytes:
+            if record:
+                provenance.record_samples(service.stability, tenant, scope, sampler.sampler_id, wire.prompt_tokens,
+                                          sequence_ids, result["sequences"])
+            return encode_sample_result(result, wire, last_n, topk)
+
         async def convert(result: dict) -> bytes:
-            return await asyncio.to_thread(encode_sample_result, result, wire, last_n, topk)
+            return await asyncio.to_thread(recorded_and_encoded, result)
 
         state.futures.add_guarded(tenant, job_result(job, convert), request_id)
     if dedupe:

@@ -9,6 +9,7 @@ import uuid
 from starlette.requests import Request
 
 from pytrio_compat.wire import CreateTrainingRun, LoraSpec
+from server_mock.api.tinker import records
 from server_mock.api.tinker.endpoint import field, read_body, read_json
 from server_mock.api.tinker.state import TinkerState
 from server_mock.errors import WorkerError, bad_request
@@ -26,9 +27,12 @@ async def dynamic_config(state: TinkerState, request: Request, tenant: str):
 
 
 async def create_session(state: TinkerState, request: Request, tenant: str):
-    await read_json(request, state.body_limit)
+    body = await read_json(request, state.body_limit)
+    labels = records.user_metadata(body.get("user_metadata"))  # for RestClient.get_session / search_sessions
+    display_name = field(body, "display_name", str, required=False)
     await state.expire()
     session = state.new_session(f"sess-{uuid.uuid4().hex[:20]}", tenant)
+    session.user_metadata, session.display_name = labels, display_name[:1024] if display_name else None
     return {"session_id": session.session_id, "type": "create_session"}
 
 
@@ -71,6 +75,7 @@ async def create_model(state: TinkerState, request: Request, tenant: str):
         return {"request_id": request_id, "model_id": model_id}
     lora = field(body, "lora_config", dict, required=False, default={})
     optimizer = field(body, "optimizer_config", dict, required=False, default={})
+    labels = records.user_metadata(body.get("user_metadata"))  # RestClient.get_training_run answers them
     state.count_creation(session, "model_seq_id")
     model_id = f"{session.session_id}:train:{model_seq_id}"
 
@@ -80,7 +85,8 @@ async def create_model(state: TinkerState, request: Request, tenant: str):
                                                        "worker trains with adamw only")
         spec = LoraSpec(**{k: lora[k] for k in LORA_FIELDS if lora.get(k) is not None})
         run = await state.service.runs.create(CreateTrainingRun(base_model=base_model, lora=spec), tenant)
-        await state.register(session, model_id, run.run_id, run.base_model)
+        run.user_metadata = labels
+        await state.register(session, model_id, run.run_id, run.base_model, labels)
         return {"model_id": model_id, "type": "create_model"}
 
     request_id = state.futures.add_guarded(tenant, create())

@@ -7,6 +7,7 @@ Every operation on a training model (forward_backward, optim_step, saves, loads)
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -44,6 +45,7 @@ def gated(state: TinkerState, tenant: str, model: TinkerModel, seq_id: Any, body
     function run in a thread that gives back the payload)."""
     if isinstance(seq_id, bool) or not isinstance(seq_id, int):
         raise bad_request("seq_id", "required: an integer")
+    model.last_request = time.time()  # TrainingRun.last_request_time (REST)
 
     def submitter(payload) -> Callable[[], Awaitable[Any]]:
         return lambda: submit_op(state, model, tenant, payload, body_digest, convert)

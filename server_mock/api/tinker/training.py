@@ -17,6 +17,7 @@ from starlette.requests import Request
 
 from pytrio_compat.wire import AdamParams, OptimStepOp
 from server_mock.api.tinker.endpoint import digest, field, read_body, read_json_sized
+from server_mock.api.tinker import provenance
 from server_mock.api.tinker.paths import tinker_metrics
 from server_mock.api.tinker.proto import decode as proto
 from server_mock.api.tinker.proto import encode as results
@@ -36,6 +37,7 @@ class DecodedForward:
     op: ForwardBatch | None = None
     error: proto.ProtoError | None = None
     size: int = 0  # of the op's arrays
+    spans: list[provenance.DatumSpans] | None = None  # each datum's provenance (model input, loss rows)
 
 
 def decode_forward(raw: bytes, budget: proto.ElementBudget) -> DecodedForward:
@@ -53,22 +55,25 @@ def decode_forward(raw: bytes, budget: proto.ElementBudget) -> DecodedForward:
     data = [{**d.loss_fn_inputs, "tokens": d.tokens} for d in req.data]  # a loss input named "tokens" is not one
     out.op = ForwardBatch(loss_fn=req.loss_fn, data=data, backward=not req.forward_only,
                           loss_fn_config=req.loss_fn_config)
+    out.spans = [(d.model_input_spans, d.loss_fn_input_spans) for d in req.data]
     out.size = sum(DATUM_OVERHEAD_BYTES + sum(array.nbytes for array in row.values()) for row in data)
     return out
 
 
-def preparer(state: TinkerState, model: TinkerModel, tenant: str) -> Callable[[ForwardBatch], PreparedOp | Exception]:
-    """On the event loop: a function, run in a thread, that checks one of this model's forward ops for the
-    service, or gives back the error (raised when the op's turn comes)."""
+def preparer(state: TinkerState, model: TinkerModel, tenant: str) -> Callable[..., PreparedOp | Exception]:
+    """On the event loop: a function, run in a thread, that checks one of this model's forward ops (and its
+    datums' provenance spans) for the service, or gives back the error (raised when the op's turn comes)."""
     runs = state.service.runs
     try:
         run = runs.get(model.run_id, tenant)
     except Exception as exc:  # noqa: BLE001 - the op's future carries it
         error = exc
-        return lambda op: error
+        return lambda op, spans=None: error
 
-    def prepare(op: ForwardBatch) -> PreparedOp | Exception:
+    def prepare(op: ForwardBatch, spans: list[provenance.DatumSpans] | None = None) -> PreparedOp | Exception:
         try:
+            op = provenance.with_recorded_inputs(state.service.stability, tenant, model.session_id, op,
+                                                 spans or [(None, None)] * len(op.data))
             return runs.prepare(run, op)
         except Exception as exc:  # noqa: BLE001
             return exc
@@ -96,8 +101,8 @@ async def forward_backward(state: TinkerState, request: Request, tenant: str):
     error = decoded.error
     if error is None:
         prepare = preparer(state, model, tenant)
-        work = await asyncio.to_thread(prepare, decoded.op)  # checked and decoded for the service, off the loop
-        decoded.op = None
+        work = await asyncio.to_thread(prepare, decoded.op, decoded.spans)  # checked for the service, off the loop
+        decoded.op = decoded.spans = None
         # one the service refuses still waits its turn as before, holding its body, and fails then
         size = work.nbytes if isinstance(work, PreparedOp) else decoded.size
         # While it waits for an earlier seq_id, a request keeps its body (smaller than the prepared op)
@@ -120,7 +125,7 @@ def _op_again(raw: bytes, budget: proto.ElementBudget, prepare: Callable[[Forwar
     decoded = decode_forward(raw, budget)
     if decoded.error is not None:  # checked once already: only a changed limit could get here
         raise decoded.error
-    return prepare(decoded.op)
+    return prepare(decoded.op, decoded.spans)
 
 
 # --- optim_step ---------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import uuid
 from starlette.requests import Request
 
 from pytrio_compat.wire import CreateSampler, CreateTrainingRun, LoadOp, SaveOp
+from server_mock.api.tinker import records
 from server_mock.api.tinker.endpoint import field, read_json, read_json_sized
 from server_mock.api.tinker.paths import to_tinker_path, to_trio_path
 from server_mock.api.tinker.state import TinkerState
@@ -21,7 +22,8 @@ async def save_weights(state: TinkerState, request: Request, tenant: str):
 
     def payload() -> SaveOp:
         return SaveOp(op="save_state", name=body.get("path") or f"state-{uuid.uuid4().hex[:12]}",
-                      ttl_seconds=body.get("ttl_seconds"), overwrite=bool(body.get("overwrite", False)))
+                      ttl_seconds=body.get("ttl_seconds"), overwrite=bool(body.get("overwrite", False)),
+                      user_metadata=records.user_metadata(body.get("user_metadata")))
 
     def convert(result: dict) -> dict:
         return {"path": to_tinker_path(result["path"]), "type": "save_weights"}
@@ -36,7 +38,8 @@ async def save_weights_for_sampler(state: TinkerState, request: Request, tenant:
 
     if name is not None:
         def payload() -> SaveOp:
-            return SaveOp(op="save_weights_for_sampler", name=name, ttl_seconds=body.get("ttl_seconds"))
+            return SaveOp(op="save_weights_for_sampler", name=name, ttl_seconds=body.get("ttl_seconds"),
+                          user_metadata=records.user_metadata(body.get("user_metadata")))
 
         def convert(result: dict) -> dict:
             return {"path": to_tinker_path(result["path"]), "type": "save_weights_for_sampler"}
@@ -47,6 +50,9 @@ async def save_weights_for_sampler(state: TinkerState, request: Request, tenant:
 
         async def convert(result: dict) -> dict:
             sampler = await state.service.samplers.create(CreateSampler(model_path=result["path"]), tenant)
+            session = state.sessions.get(model.session_id)
+            if session is not None:  # its samples may be recorded for stable_reinforce
+                state.add_session_sampler(session, sampler.sampler_id)
             return {"sampling_session_id": sampler.sampler_id, "type": "save_weights_for_sampler"}
 
     return gated(state, tenant, model, body.get("seq_id"), body_digest, payload, convert, size)
@@ -77,12 +83,14 @@ async def load_weights(state: TinkerState, request: Request, tenant: str):
     state.count_creation(session, "model_seq_id")
     model_id = f"{session.session_id}:train:{model_seq_id}"
     base_model = body.get("base_model")
+    labels = records.user_metadata(body.get("user_metadata"))
 
     async def create() -> dict:
         create_body = CreateTrainingRun(base_model=base_model, from_checkpoint=to_trio_path(path),
                                         load_optimizer=with_optimizer)
         run = await state.service.runs.create(create_body, tenant)
-        await state.register(session, model_id, run.run_id, run.base_model)
+        run.user_metadata = labels
+        await state.register(session, model_id, run.run_id, run.base_model, labels)
         return {"path": path, "model_id": model_id, "type": "load_weights"}
 
     request_id = state.futures.add_guarded(tenant, create())
