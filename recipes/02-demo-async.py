@@ -9,7 +9,8 @@ submit, once for the result).
     python recipes/02-demo-async.py --steps 10 --batch-size 4 --group-size 8 --max-tokens 512 \\
         --data-file ../shared/data/gsm8k --eval-every 5 --swanlab-mode local
 
-With the same --seed, step 0 builds exactly the datums of the sync demo.
+With the same --seed, step 0 builds exactly the datums of the sync demo. The GRPO variants (`--advantage std`,
+`--loss-agg`, `--kl-coef`, `--clip-high`, `--dynamic-sampling`): recipes/grpo_variants.py.
 """
 
 import asyncio
@@ -19,22 +20,22 @@ from grpo_lib import (
     EVAL_GRADERS,
     PROMPTS,
     MetricsLogger,
+    StepBatch,
     StepStats,
     batch_rows,
     build_arg_parser,
-    build_datum,
-    completion_text,
+    countdown_parts,
     countdown_reward,
     eval_data_file,
     evaluate_async,
+    extra_rows,
     grade,
-    group_advantages,
-    is_degenerate,
     load_rows,
     loss_fn_config,
     make_custom_cispo_loss,
     make_service_client,
     num_steps,
+    ppo_bounds,
     render_prompt,
     resolve_log_dir,
     sample_seed,
@@ -98,25 +99,27 @@ async def run(args):
                 )
 
         # 2. Rollouts: every prompt's group in flight at once; the bar advances as each group finishes.
-        prompts = [render_prompt(tokenizer, row["question"], fewshot, suffix) for row in rows]
-        bar = tqdm(total=len(prompts), desc=f"step {step}", unit="prompt", leave=False)
-        with stats.timer("time/sample"):
-            results = await asyncio.gather(*(
-                sample_group(sampler, prompt, sample_seed(args.seed, step, i), bar)
-                for i, prompt in enumerate(prompts)
-            ))
-        bar.close()
+        async def rollouts(rows, first, sampler=sampler, step=step, stats=stats):
+            prompts = [render_prompt(tokenizer, row["question"], fewshot, suffix) for row in rows]
+            bar = tqdm(total=len(prompts), desc=f"step {step}", unit="prompt", leave=False)
+            with stats.timer("time/sample"):
+                results = await asyncio.gather(*(
+                    sample_group(sampler, prompt, sample_seed(args.seed, step, first + i), bar)
+                    for i, prompt in enumerate(prompts)
+                ))
+            bar.close()
+            return list(zip(prompts, rows, results))
 
-        # 3. Rewards -> group-relative advantages -> datums (groups with equal rewards teach nothing).
-        datums = []
-        for prompt, row, result in zip(prompts, rows, results):
-            rewards = [reward(completion_text(tokenizer, seq), row["answer"]) for seq in result.sequences]
-            stats.add_group(rewards, result.sequences, result.metrics)
-            if is_degenerate(rewards):
-                continue
-            for seq, advantage in zip(result.sequences, group_advantages(rewards)):
-                if seq.tokens:
-                    datums.append(build_datum(prompt, seq.tokens, seq.logprobs, advantage))
+        # 3. Rewards -> group-relative advantages -> datums (groups with equal rewards teach nothing). With
+        # --dynamic-sampling, more prompts until batch-size groups have rewards that differ (grpo_variants.py).
+        batch = StepBatch(args, reward, tokenizer, stats, countdown_parts if args.dataset == "countdown" else None)
+        batch.add(await rollouts(rows, 0))
+        while missing := batch.missing():
+            batch.rounds += 1
+            more = extra_rows(train_rows, args.seed, step, batch.rounds, missing)
+            batch.add(await rollouts(more, batch.rounds * args.batch_size))
+        datums = batch.datums()
+        metrics_extra.update(batch.metrics())
         if step == 0:
             first_step_datums = datums
 
@@ -137,7 +140,8 @@ async def run(args):
                 optim_output = await op
 
         bounds = (args.cispo_clip_low, args.cispo_clip_high) if args.loss_fn == "cispo" else None
-        logger.log({**stats.metrics(datums, fb_output, optim_output, bounds), **metrics_extra}, step=step)
+        logger.log({**stats.metrics(datums, fb_output, optim_output, bounds, ppo_bounds(args)), **metrics_extra},
+                   step=step)
 
     final_accuracy = None
     if args.eval_every > 0:

@@ -354,6 +354,11 @@ def countdown_reward(completion_text: str, answer_text: str, format_bonus: float
     return score_countdown(completion_text, *problem_of_answer(answer_text)).reward(format_bonus)
 
 
+def countdown_parts(completion_text: str, answer_text: str) -> CountdownScore:
+    """The reward's two parts for a row's `answer`, logged apart: well-formed, and correct."""
+    return score_countdown(completion_text, *problem_of_answer(answer_text))
+
+
 def grade_countdown(completion_text: str, answer_text: str) -> float:
     """1.0 if the completion solves the problem of a row's `answer`, else 0.0 (no format bonus), as
     `grpo_grading.grade` does for the boxed-number datasets."""

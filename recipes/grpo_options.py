@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytrio_compat as trio
+from grpo_variants import add_variant_options, check_variant_options, policy_config
 
 LOSS_FNS = ("importance_sampling", "ppo", "cispo")
 SWANLAB_MODES = ("online", "local", "offline", "disabled")
@@ -41,6 +42,8 @@ class RecipeArgParser(argparse.ArgumentParser):
         for key, value in DATASET_DEFAULTS[parsed.dataset].items():
             if getattr(parsed, key, None) is None:
                 setattr(parsed, key, value)
+        if hasattr(parsed, "loss_agg"):
+            check_variant_options(self, parsed)
         return parsed, extras
 
 
@@ -101,6 +104,7 @@ def build_arg_parser(description: str) -> argparse.ArgumentParser:
                         f"{_default_help('eval_every')}")
     p.add_argument("--eval-size", type=int, default=None,
                    help=f"number of test questions per evaluation; {_default_help('eval_size')}")
+    add_variant_options(p)  # --advantage, --loss-agg, --kl-coef, --dynamic-sampling, ...: grpo_variants.py
     return p
 
 
@@ -134,7 +138,18 @@ def make_service_client(args: argparse.Namespace) -> Any:
 
 
 def loss_fn_config(args: argparse.Namespace) -> dict[str, float] | None:
-    """The `loss_fn_config` of the built-in loss: CISPO's ratio bounds, nothing for the others."""
+    """The `loss_fn_config` of the built-in loss: CISPO's ratio bounds, and the variants' keys when their flags
+    are given (ppo's bounds, the KL, the entropy: grpo_variants.policy_config); None when there is nothing."""
+    config: dict = {}
     if args.loss_fn == "cispo":
-        return {"clip_low_threshold": args.cispo_clip_low, "clip_high_threshold": args.cispo_clip_high}
-    return None
+        config = {"clip_low_threshold": args.cispo_clip_low, "clip_high_threshold": args.cispo_clip_high}
+    if hasattr(args, "loss_agg"):
+        config.update(policy_config(args))
+    return config or None
+
+
+def ppo_bounds(args: argparse.Namespace) -> tuple[float, float] | None:
+    """ppo's ratio bounds as the worker applies them (its defaults 0.8 / 1.2 unless given); None for other losses."""
+    if args.loss_fn != "ppo":
+        return None
+    return (0.8 if args.clip_low is None else args.clip_low, 1.2 if args.clip_high is None else args.clip_high)

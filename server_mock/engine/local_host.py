@@ -148,7 +148,8 @@ class LocalModelHost(ModelFacts):
         saved = {n: (p.grad.clone() if p.grad is not None else None) for n, p in adapter.params.items()}
         model = TrainModel(partial(self.logits, self.peft), self.model.config, self.cache_kwarg, self.device,
                            self.options.micro_batch_tokens,
-                           self.options.prefix_share_min_tokens if self.prefix_sharing else 0)
+                           self.options.prefix_share_min_tokens if self.prefix_sharing else 0,
+                           reference_logits=partial(self.logits, _BaseOnly(self.peft)))
         try:
             return run_forward_backward(model, data, loss_fn, config, backward, loss_scale)
         except BaseException:

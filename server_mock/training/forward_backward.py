@@ -1,17 +1,22 @@
 """Forward/backward over one call's datums: micro-batches within the token budget (prefix-shared or not), each
-target token's logprob, and the per-datum losses and the call's metrics."""
+target token's logprob, and the per-datum losses and the call's metrics.
+
+With ``kl_coef`` in the config a reference pass runs first, over the same plan (shared prompts once), with the
+adapter disabled and no gradient; it keeps only each datum's target logprobs, so the training pass after it never
+holds a second set of logits. ``return_entropy`` adds each position's entropy, from the training pass's own
+logits (policy_terms.entropy). Without either key the call runs exactly as it did before they existed."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 import torch
 
 from server_mock.errors import WorkerError
-from server_mock.training import losses, prefix_planning, prefix_sharing
+from server_mock.training import losses, policy_terms, prefix_planning, prefix_sharing
 
 
 @dataclass(frozen=True)
@@ -24,6 +29,7 @@ class TrainModel:
     device: str
     micro_batch_tokens: int
     prefix_share_min_tokens: int  # 0: this model does not share prefixes
+    reference_logits: Callable[..., torch.Tensor] | None = None  # the same with the adapter disabled (the base)
 
 
 def run_forward_backward(model: TrainModel, data: list[dict[str, np.ndarray]], loss_fn: str,
@@ -32,42 +38,84 @@ def run_forward_backward(model: TrainModel, data: list[dict[str, np.ndarray]], l
     the summed loss times ``loss_scale`` accumulates (1: the sum itself; a front end whose protocol reduces by a
     mean over a call it may split passes 1/denominator). The losses and metrics are never scaled. Datums sharing a
     prompt prefix run it once (prefix_sharing.py)."""
-    results = _Results(data, loss_fn, config, model.device, loss_scale)
     passes = prefix_planning.plan([d["tokens"] for d in data], model.micro_batch_tokens, model.prefix_share_min_tokens)
+    reference = _reference_logprobs(model, data, passes) if policy_terms.wants_reference(config) else None
+    entropy = policy_terms.wants_entropy(config)
+    results = _Results(data, loss_fn, config, model.device, reference, loss_scale)
     with torch.set_grad_enabled(backward):
         for batch, chunks in passes.shared:
-            prompts = np.stack([data[g.members[0]]["tokens"][:batch.prefix_len] for g in batch.groups])
-            shared = prefix_sharing.SharedPrefix(model.logits, model.config, model.cache_kwarg,
-                                                 torch.from_numpy(prompts).to(model.device))
+            shared = _shared_prefix(model, data, batch)
             for chunk in chunks:
                 indices = [i for i, _ in chunk]
                 which = torch.tensor([row for _, row in chunk], device=model.device)
-                results.add(indices, _shared_logprobs(model, shared, [data[i] for i in indices], which), backward)
+                results.add(indices, *_shared_logprobs(model, shared, [data[i] for i in indices], which, entropy),
+                            backward)
             if backward:
                 shared.backward()
             del shared
         for batch in passes.rest:
-            results.add(batch, _target_logprobs(model, [data[i] for i in batch]), backward)
+            results.add(batch, *_target_logprobs(model, [data[i] for i in batch], entropy), backward)
     return results.summary()
 
 
-def _target_logprobs(model: TrainModel, rows: list[dict[str, np.ndarray]]) -> torch.Tensor:
-    """float32 logprob of each target token, [B, T] (0 where the target is ignored or padding); [B, T, K] when a
-    row has soft targets (``_padded_targets``)."""
+def _reference_logprobs(model: TrainModel, data: list[dict[str, np.ndarray]],
+                        passes: prefix_planning.Plan) -> list[torch.Tensor]:
+    """Each datum's target logprobs [n] under the reference model (the adapter disabled), without gradient, over
+    the training pass's plan: each shared prompt runs once here too."""
+    if model.reference_logits is None:
+        raise WorkerError(422, "reference_unavailable", "loss_fn_config.kl_coef: this model host cannot run the "
+                                                        "reference model", "loss_fn_config.kl_coef")
+    ref = replace(model, logits=model.reference_logits)
+    out: list[torch.Tensor] = [torch.empty(0)] * len(data)
+
+    def keep(indices: list[int], logprobs: torch.Tensor) -> None:
+        for row, index in enumerate(indices):
+            datum = data[index]
+            out[index] = _datum_logprobs(logprobs[row, :len(datum["tokens"])], datum["target_tokens"]).clone()
+
+    with torch.no_grad():
+        for batch, chunks in passes.shared:
+            shared = _shared_prefix(ref, data, batch)
+            for chunk in chunks:
+                indices = [i for i, _ in chunk]
+                which = torch.tensor([row for _, row in chunk], device=model.device)
+                keep(indices, _shared_logprobs(ref, shared, [data[i] for i in indices], which, False)[0])
+            del shared
+        for batch in passes.rest:
+            keep(batch, _target_logprobs(ref, [data[i] for i in batch], False)[0])
+    return out
+
+
+def _shared_prefix(model: TrainModel, data: list[dict[str, np.ndarray]],
+                   batch: prefix_planning.PrefixBatch) -> prefix_sharing.SharedPrefix:
+    prompts = np.stack([data[g.members[0]]["tokens"][:batch.prefix_len] for g in batch.groups])
+    return prefix_sharing.SharedPrefix(model.logits, model.config, model.cache_kwarg,
+                                       torch.from_numpy(prompts).to(model.device))
+
+
+def _target_logprobs(model: TrainModel, rows: list[dict[str, np.ndarray]],
+                     entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """float32 logprob of each target token, [B, T] (0 where the target is ignored or padding; [B, T, K] when a row
+    has soft targets, ``_padded_targets``), and with ``entropy`` each position's entropy [B, T]."""
     ids, attention = _padded([r["tokens"] for r in rows], model.device)
     targets = _padded_targets([_targets(r) for r in rows], model.device)
-    return token_logprobs(model.logits(input_ids=ids, attention_mask=attention, use_cache=False), targets)
+    logits = model.logits(input_ids=ids, attention_mask=attention, use_cache=False)
+    return token_logprobs(logits, targets), policy_terms.entropy(logits) if entropy else None
 
 
 def _shared_logprobs(model: TrainModel, shared: prefix_sharing.SharedPrefix, rows: list[dict[str, np.ndarray]],
-                     which: torch.Tensor) -> torch.Tensor:
+                     which: torch.Tensor, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Like ``_target_logprobs``, for rows that start with ``shared``'s prefixes (row i with prefix which[i])."""
     n = shared.prefix_len
     ids, attention = _padded([r["tokens"][n:] for r in rows], model.device)
     targets = _padded_targets([_targets(r)[n:] for r in rows], model.device)
     prefix_targets = _padded_targets([_targets(r)[:n] for r in rows], model.device, targets.shape[2:])
-    return torch.cat([token_logprobs(shared.logits, prefix_targets, which),
-                      token_logprobs(shared.remainder_logits(ids, attention, which), targets)], dim=1)
+    logits = shared.remainder_logits(ids, attention, which)
+    logprobs = torch.cat([token_logprobs(shared.logits, prefix_targets, which),
+                          token_logprobs(logits, targets)], dim=1)
+    if not entropy:
+        return logprobs, None
+    return logprobs, torch.cat([policy_terms.entropy(shared.logits, which), policy_terms.entropy(logits)], dim=1)
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -138,14 +186,20 @@ class _Results:
     """Per-datum losses, logprobs and the call's metrics, filled one micro-batch at a time."""
 
     def __init__(self, data: list[dict[str, np.ndarray]], loss_fn: str, config: dict[str, float], device: str,
-                 loss_scale: float = 1.0):
+                 reference: list[torch.Tensor] | None = None, loss_scale: float = 1.0):
         self.data, self.loss_fn, self.config, self.device = data, loss_fn, config, device
+        self.reference = reference
         self.loss_scale = loss_scale
         self.outputs: list[dict[str, np.ndarray] | None] = [None] * len(data)
         self.loss_sum = 0.0
         self.token_count = 0
+        self.sums: dict[str, float] = {}  # kl, entropy: summed over the counted positions
+        if reference is not None:
+            self.sums["kl"] = 0.0
+        if policy_terms.wants_entropy(config):
+            self.sums["entropy"] = 0.0
 
-    def add(self, indices: list[int], logprobs: torch.Tensor, backward: bool) -> None:
+    def add(self, indices: list[int], logprobs: torch.Tensor, entropy: torch.Tensor | None, backward: bool) -> None:
         """Losses of the datums ``indices`` (row i of ``logprobs`` is datum indices[i]); backward of their sum."""
         total = None
         for row, index in enumerate(indices):
@@ -153,7 +207,8 @@ class _Results:
             n = len(datum["tokens"])
             inputs = {k: torch.from_numpy(v).to(self.device) for k, v in datum.items() if k != "tokens"}
             row_lp = _datum_logprobs(logprobs[row, :n], datum["target_tokens"])
-            result = losses.compute_loss(self.loss_fn, row_lp, inputs, self.config)
+            ref = self.reference[index] if self.reference is not None else None
+            result = losses.compute_loss(self.loss_fn, row_lp, inputs, self.config, ref)
             if not torch.isfinite(result.loss):
                 raise WorkerError(422, "non_finite_loss",
                                   f"data[{index}]: the loss is not finite; check logprobs/advantages", "data")
@@ -164,14 +219,42 @@ class _Results:
             lp = torch.where(mask, row_lp.detach(), torch.zeros_like(row_lp))
             self.outputs[index] = {"logprobs": lp.float().cpu().numpy(),
                                    "elementwise_loss": result.elementwise.float().cpu().numpy()}
+            if ref is not None or entropy is not None:
+                self._extras(index, mask, result, ref, entropy[row, :n] if entropy is not None else None)
         if backward and total is not None and total.requires_grad:
             (total if self.loss_scale == 1.0 else total * self.loss_scale).backward()
 
+    def _extras(self, index: int, mask: torch.Tensor, result: losses.LossResult, ref: torch.Tensor | None,
+                entropy: torch.Tensor | None) -> None:
+        """The datum's ``ref_logprobs`` / ``entropy`` outputs (0 where the target is ignored), and their sums
+        over the counted positions."""
+        zero = torch.zeros((), dtype=torch.float32)
+        if mask.ndim == 2:  # soft targets: a position counts when any of its cells does
+            mask = mask.any(-1)
+        if ref is not None:
+            self.outputs[index]["ref_logprobs"] = torch.where(mask, ref.float(), zero).cpu().numpy()
+            if result.kl is not None:
+                self.sums["kl"] += float(result.kl.double().sum())
+        if entropy is not None:
+            self.outputs[index]["entropy"] = torch.where(mask, entropy.float(), zero).cpu().numpy()
+            counted = result.counted if result.counted is not None else mask
+            self.sums["entropy"] += float(torch.where(counted, entropy.float(), zero).double().sum())
+
     def summary(self) -> dict:
-        metrics = {
-            "loss_sum": self.loss_sum,
-            "loss_mean": self.loss_sum / self.token_count if self.token_count else 0.0,
-            "token_count": float(self.token_count),
-            "loss:sum": self.loss_sum,
-        }
-        return {"outputs": self.outputs, "metrics": metrics}
+        return {"outputs": self.outputs, "metrics": call_metrics(self.loss_sum, self.token_count, self.sums)}
+
+
+def call_metrics(loss_sum: float, token_count: float, sums: dict[str, float] | None = None) -> dict[str, float]:
+    """A call's metrics from its sums (also how the data-parallel shards' results merge): the loss, and with
+    kl_coef / return_entropy ``kl_sum``/``kl_mean`` / ``entropy_sum``/``entropy_mean`` over the counted positions,
+    each also as Tinker's ``name:sum`` / ``name:mean``."""
+    metrics = {
+        "loss_sum": loss_sum,
+        "loss_mean": loss_sum / token_count if token_count else 0.0,
+        "token_count": float(token_count),
+        "loss:sum": loss_sum,
+    }
+    for name, total in (sums or {}).items():
+        mean = total / token_count if token_count else 0.0
+        metrics.update({f"{name}_sum": total, f"{name}_mean": mean, f"{name}:sum": total, f"{name}:mean": mean})
+    return metrics

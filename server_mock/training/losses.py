@@ -26,6 +26,11 @@ Two losses are not plain token-wise functions of the datum's inputs:
                     sampled tokens as the worker recorded them at sampling time, filled in by the front end
                     from the datum's provenance spans (never sent by the client)
 and ``cross_entropy`` also takes soft targets: ``target_tokens`` and ``weights`` of shape [N, K].
+
+Policy losses (importance_sampling / ppo / cispo) take optional per-token ``weights``
+w: each token's loss becomes w * (surrogate + beta * KL), so any normalisation (a
+token mean, a per-sequence mean, a constant) is exact on top of the sum. The KL to
+the reference model and the entropy: policy_terms.py.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ from dataclasses import dataclass
 from numbers import Real
 
 import torch
+
+from server_mock.training import policy_terms
 
 IGNORE_INDEX = -100
 
@@ -55,6 +62,8 @@ OPTIONAL_INPUTS["cross_entropy"] = ("weights",)
 OPTIONAL_INPUTS["gspo"] = ("sequence_ratio_mask",)
 # inputs that may carry K values per position ([N, K]): soft-target cross-entropy
 SOFT_TARGET_INPUTS: dict[str, tuple[str, ...]] = {"cross_entropy": ("target_tokens", "weights")}
+for _name in policy_terms.KL_LOSSES:
+    OPTIONAL_INPUTS[_name] = ("weights",)
 
 # ppo bounds are ratio bounds (not epsilons). cispo defaults are Tinker's documented
 # ones. Tinker documents no default beta for dro; 0.05 is the example in its docs.
@@ -87,8 +96,10 @@ def resolve_loss_config(loss_fn: str, config: dict | None) -> dict[str, float]:
         config = {}
     if not isinstance(config, dict):
         raise LossConfigError("loss_fn_config", f"must be a dict of numbers, got {type(config).__name__}")
+    config, extras = policy_terms.resolve(loss_fn, config, LossConfigError)
     defaults = DEFAULT_CONFIG[loss_fn]
-    accepted = ", ".join(defaults) or "none (pass no loss_fn_config)"
+    accepted = ", ".join(defaults) or "none of its own (pass no loss_fn_config)"
+    accepted += "; and return_entropy" + (", kl_coef, kl_estimator" if loss_fn in policy_terms.KL_LOSSES else "")
     out = dict(defaults)
     for key, value in config.items():
         field = f"loss_fn_config.{key}"
@@ -113,6 +124,7 @@ def resolve_loss_config(loss_fn: str, config: dict | None) -> dict[str, float]:
         raise LossConfigError("loss_fn_config.beta", f"must be >= 0, got {out['beta']}")
     if loss_fn == "stable_reinforce" and out["kl_coeff"] < 0:
         raise LossConfigError("loss_fn_config.kl_coeff", f"must be >= 0, got {out['kl_coeff']}")
+    out.update(extras)  # only the keys given: without them the call runs exactly as before
     return out
 
 
@@ -121,6 +133,8 @@ class LossResult:
     loss: torch.Tensor  # scalar, the summed loss, differentiable
     elementwise: torch.Tensor  # [N] per-position loss, detached, 0 at masked positions
     token_count: int  # positions that can contribute (see compute_loss)
+    counted: torch.Tensor | None = None  # [N] bool, the positions counted in token_count
+    kl: torch.Tensor | None = None  # [N] per-token KL estimate (detached, 0 where not counted); with kl_coef
 
 
 def cross_entropy(lp: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -181,12 +195,15 @@ def soft_cross_entropy(lp: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def compute_loss(
-    loss_fn: str, target_logprobs: torch.Tensor, inputs: dict[str, torch.Tensor], config: dict[str, float]
+    loss_fn: str, target_logprobs: torch.Tensor, inputs: dict[str, torch.Tensor], config: dict[str, float],
+    ref_logprobs: torch.Tensor | None = None,
 ) -> LossResult:
-    """Summed loss of one datum. ``config`` must come from resolve_loss_config.
+    """Summed loss of one datum. ``config`` must come from resolve_loss_config; ``ref_logprobs`` [N] are the
+    reference model's, needed with ``kl_coef``.
 
     token_count: mask & (w != 0) for cross_entropy (soft targets: positions with a live cell of nonzero
-    weight); mask & (A != 0) for importance_sampling / ppo / cispo / gspo; mask for dro; for stable_reinforce
+    weight); mask & (A != 0) for importance_sampling / ppo / cispo / gspo (& (w != 0) with weights; with kl_coef
+    and weights, mask & (w != 0): the KL term trains every weighted token); mask for dro; for stable_reinforce
     the recorded (sampled) positions, when kl_coeff > 0, else those with A != 0.
     """
     if loss_fn not in DEFAULT_CONFIG:
@@ -237,8 +254,36 @@ def compute_loss(
             per_token = {"ppo": ppo, "cispo": cispo}[loss_fn](
                 lp, q, a, config["clip_low_threshold"], config["clip_high_threshold"]
             )
+    kl = None
+    if loss_fn in policy_terms.KL_LOSSES:
+        w = given("weights") if "weights" in inputs else None
+        per_token, counted, kl = _weights_and_kl(per_token, counted, lp, mask, w, config, ref_logprobs)
     per_token = torch.where(mask, per_token, zero)
-    return LossResult(per_token.sum(), per_token.detach(), int(counted.sum()))
+    return LossResult(per_token.sum(), per_token.detach(), int(counted.sum()), counted, kl)
+
+
+def _weights_and_kl(per_token: torch.Tensor, counted: torch.Tensor, lp: torch.Tensor, mask: torch.Tensor,
+                    w: torch.Tensor | None, config: dict, ref: torch.Tensor | None):
+    """A policy loss's per-token w * (surrogate + beta * KL); returns it, the counted positions and the
+    detached KL estimate. Without weights nor kl_coef the surrogate comes back untouched."""
+    kl = None
+    if "kl_coef" in config:
+        if ref is None:
+            raise ValueError("kl_coef needs the reference model's logprobs")
+        if w is not None:
+            counted = mask & (w != 0)
+        zero = torch.zeros((), dtype=lp.dtype)
+        # both sides zeroed off the counted positions (every estimator is 0 at lp == ref), so an extreme value
+        # there can never reach the gradient as inf * 0
+        term = policy_terms.kl_estimate(torch.where(counted, lp, zero), torch.where(counted, ref.to(lp.dtype), zero),
+                                        config["kl_estimator"])
+        if config["kl_coef"] > 0:
+            per_token = per_token + config["kl_coef"] * term
+        kl = term.detach()
+    if w is not None:
+        per_token = w * per_token
+        counted = counted & (w != 0)
+    return per_token, counted, kl
 
 
 def _soft_cross_entropy_loss(loss_fn: str, target_logprobs: torch.Tensor,
@@ -256,4 +301,4 @@ def _soft_cross_entropy_loss(loss_fn: str, target_logprobs: torch.Tensor,
     w = torch.where(cells, weights.to(lp.dtype), zero)
     per_position = soft_cross_entropy(lp, w)
     counted = (cells & (w != 0)).any(-1)
-    return LossResult(per_position.sum(), per_position.detach(), int(counted.sum()))
+    return LossResult(per_position.sum(), per_position.detach(), int(counted.sum()), counted)
