@@ -17,6 +17,7 @@ from starlette.middleware import Middleware
 from starlette.routing import BaseRoute
 
 from server_mock.api.auth import Auth
+from server_mock.api.bodies import ParseBudget
 from server_mock.api.browser_safety import BrowserGuard, HostPolicy
 from server_mock.api.downloads import ARCHIVE, Downloads, archive_resolver
 from server_mock.api.native import native_routes
@@ -54,6 +55,7 @@ def create_app(service: WorkerService, api_keys: list[str] | None = None, *, bin
     app.state.auth = auth
     app.state.downloads = downloads
     app.state.idempotency = Idempotency()
+    app.state.parse_budget = ParseBudget(service.limits.max_parsing_bytes)
     app.state.pytrio = pytrio
     return app
 

@@ -21,11 +21,24 @@ def setting(default: Any, help: str, *, flag: str | None = None, choices: dict[s
 class Limits:
     """Every limit is explicit; exceeding one is answered with 413/429 naming it."""
 
-    max_body_bytes: int = setting(64 * 1024 * 1024, "largest request body, in bytes")
+    max_body_bytes: int = setting(64 * 1024 * 1024, "largest request body that carries tensors (native training "
+                                                    "ops, Tinker forward_backward), in bytes")
+    max_json_body_bytes: int = setting(4 * 1024 * 1024, "largest request body of every other route (JSON), in bytes")
+    max_json_values: int = setting(1 << 16, "JSON values (numbers, strings, list items, object members) in one "
+                                            "JSON request body (4x that in a body that carries tensors): parsing "
+                                            "holds ~60 bytes and some microseconds for each, whatever its size, "
+                                            "without letting go of the interpreter")
+    max_zstd_ratio: int = setting(100, "how many times its compressed size a zstd body (Tinker routes) may expand "
+                                       "to, beyond 1 MiB", minimum=1, why="a ratio")
+    max_parsing_bytes: int = setting(256 * 1024 * 1024, "request bodies over 1 MiB parsed at once, all requests "
+                                                        "together: their bytes plus 64 per JSON value (others wait)",
+                                     minimum=1, why="a budget of bytes")
     max_seq_len: int = setting(8192, "longest sequence (prompt + completion, or a datum), in tokens; the model's own "
                                      "context caps it")
     max_tokens_per_request: int = setting(262_144, "tokens in one forward/backward request, all datums together")
     max_sample_tokens: int = setting(8192, "max_tokens of one sample request")
+    max_sample_request_tokens: int = setting(262_144, "num_samples x (prompt + max_tokens) of one sample request: "
+                                                      "how long it may hold the model")
     max_num_samples: int = setting(256, "num_samples of one sample request")
     max_training_runs: int = setting(64, "training runs per API key")
     max_adapters: int = setting(256, "training runs on this worker, all keys together")
@@ -35,6 +48,21 @@ class Limits:
     max_snapshots: int = setting(16, "in-memory sampler snapshots kept per API key "
                                      "(save_weights_and_get_sampling_client); its least recently used dropped first")
     max_lora_rank: int = setting(128, "largest LoRA rank a run may ask for")
+    # a run's adapter memory: LoRA weights, their gradients and AdamW's two moments, all float32 (16 bytes a parameter)
+    max_adapter_bytes: int = setting(0, "memory the training runs of one API key may hold (LoRA weights, gradients, "
+                                        "AdamW moments: 16 bytes a parameter, from the model's layout); 0: a quarter "
+                                        "of --max-adapter-bytes-total", minimum=0, why="0 is the default")
+    max_adapter_bytes_total: int = setting(0, "memory the training runs of all keys may hold together; 0: half of "
+                                              "the device's memory (the GPU's, or RAM on the CPU)", minimum=0,
+                                           why="0 is the default")
+    # requests of different tenants decoded as one batch would let each see the other's traffic (batch_requests,
+    # timings, the last bits of seeded logprobs); batching them is faster when many tenants sample one base model
+    batch_across_tenants: bool = setting(False, "decode sample requests of different API keys for the same weights "
+                                                "as one batch: more throughput when many keys sample a base model, "
+                                                "but each then sees the others' traffic in its answers")
+    max_result_bytes: int = setting(1 << 30, "bytes of finished results (native requests, Tinker futures) kept for "
+                                             "polling per API key; past it its oldest are dropped", minimum=1,
+                                    why="a budget of bytes")
     # Checked against every generated token, so bounded: OpenAI takes 4 stop strings, vLLM and SGLang
     # take any number but real requests carry a handful of short ones.
     max_stop_strings: int = setting(16, "stop strings per sample request")
@@ -106,6 +134,22 @@ class PytrioOptions:
     pytrio_sample_keepalive: float = setting(30.0, "seconds a PyTRIO sample answer may take before the worker starts "
                                                    "it with whitespace keep-alives (one every such interval)",
                                              minimum=0.05)
+
+
+@dataclass
+class Connections:
+    """What the HTTP server grants one connection: time to send a request, and room among the others."""
+
+    request_timeout: float = setting(60.0, "seconds a client has to send a whole request (headers and body), from "
+                                           "connecting or its first byte; slower ones get 408 and are closed",
+                                     minimum=0.001, why="seconds")
+    max_connections: int = setting(1000, "open HTTP connections, all clients together (also kept below the open-file "
+                                         "limit); past it, the longest-waiting incomplete request of the busiest "
+                                         "peer is closed, or the new connection gets 503", minimum=1,
+                                   why="a count of connections")
+    max_connections_per_peer: int = setting(512, "open HTTP connections from one IP address; past it, that peer's "
+                                                 "longest-waiting incomplete request is closed, or the new connection "
+                                                 "gets 503", minimum=1, why="a count of connections")
 
 
 MICRO_BATCH_TOKENS = 2048  # padded tokens per forward pass; bounds the (B, T, V) logits in memory

@@ -118,6 +118,16 @@ def model_layout(model: nn.Module, groups: dict[str, str]) -> dict[str, Layer]:
     return layout
 
 
+# What a training run's adapter holds per LoRA parameter: float32 weights, their gradient, and AdamW's two moments
+BYTES_PER_TRAINED_PARAM = 16
+
+
+def adapter_parameters(layout: dict[str, Layer], targets: tuple[str, ...], rank: int) -> int:
+    """The parameters of a LoRA of ``rank`` on the ``targets`` layers of a model (``layout``: ``model_layout``):
+    ``lora_A`` is rank x in, ``lora_B`` out x rank."""
+    return sum(rank * (layout[name].in_features + layout[name].out_features) for name in targets)
+
+
 def lora_config(groups: dict[str, str], spec: LoraSpec):
     """PEFT's ``LoraConfig`` for ``spec`` on a model whose Linear layers are grouped as ``groups``, and the
     target layer names."""

@@ -104,8 +104,8 @@ class Checkpoints:
 
     def records(self, tenant: str, training_run_id: str | None = None) -> list[tuple[CheckpointRef, dict, int]]:
         """This tenant's checkpoints on disk (of one run), unexpired: (ref, metadata, size in bytes) each."""
-        return [(ref, meta, size) for ref, meta, size in self.store.list(training_run_id)
-                if meta.get("tenant", "") == tenant]
+        return [(ref, meta, size) for ref, meta, size in self.store.list(training_run_id, tenant=tenant)
+                if meta.get("tenant", "") == tenant]  # the store reads only the folders of this tenant's runs
 
     def set_expiry(self, path: str, tenant: str, when: float | None) -> dict:
         """A new expiry time for one of this tenant's checkpoints on disk (None: never); its new metadata."""
@@ -127,10 +127,13 @@ class Checkpoints:
         return len(removed)
 
     def list(self, tenant: str, training_run_id: str | None) -> CheckpointList:
-        entries = [CheckpointEntry(checkpoint_id=checkpoint_id(ref.path), kind=ref.kind, path=ref.path,
-                                   created_at=meta.get("created_at", 0.0), size_bytes=size)
-                   for ref, meta, size in self.records(tenant, training_run_id)]
-        return CheckpointList(checkpoints=entries)
+        return CheckpointList(checkpoints=[entry for entry, _ in self.entries(tenant, training_run_id)])
+
+    def entries(self, tenant: str, training_run_id: str | None) -> list[tuple[CheckpointEntry, dict]]:
+        """This tenant's unexpired checkpoints on disk (of one run, or of all its runs), each with its metadata."""
+        return [(CheckpointEntry(checkpoint_id=checkpoint_id(ref.path), kind=ref.kind, path=ref.path,
+                                 created_at=meta.get("created_at", 0.0), size_bytes=size), meta)
+                for ref, meta, size in self.records(tenant, training_run_id)]
 
     def delete(self, path_or_id: str, tenant: str) -> None:
         ref = self.owned_ref(self.resolve(path_or_id, tenant), tenant, "path")

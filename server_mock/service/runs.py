@@ -21,11 +21,12 @@ from server_mock.errors import WorkerError, bad_request, not_found
 from server_mock.service.checkpoints import Checkpoints
 from server_mock.service.models import Models
 from server_mock.service.ops import ForwardBatch, PreparedOp, prepare_forward
-from server_mock.service.quotas import check_queued
+from server_mock.lora import BYTES_PER_TRAINED_PARAM, adapter_parameters
+from server_mock.service.quotas import ByteBudget, check_queued
 from server_mock.service.validation import check_adam
 from server_mock.storage.checkpoints import check_name
 
-RUN_ID_RE = re.compile(r"^run-[0-9a-f]{16,32}$")
+RUN_ID_RE = re.compile(r"^run-[0-9a-f]{16,32}\Z")
 
 
 @dataclass
@@ -55,12 +56,14 @@ Op = ForwardBatch | OptimStepOp | SaveOp | LoadOp
 
 class Runs:
     def __init__(self, models: Models, requests: RequestStore, checkpoints: Checkpoints, limits: Limits,
-                 fault_injection: bool) -> None:
+                 fault_injection: bool, memory: ByteBudget | None = None) -> None:
         self.models = models
         self.requests = requests
         self.checkpoints = checkpoints
         self.limits = limits
         self.fault_injection = fault_injection
+        # adapter memory, estimated from the model's layout when a run is created
+        self.memory = memory or ByteBudget(1 << 62, 1 << 62, "lora", "max_adapter_bytes", "max_adapter_bytes_total")
         self._runs: dict[str, TrainingRun] = {}
 
     def __len__(self) -> int:
@@ -106,6 +109,25 @@ class Runs:
         self._check_lora(spec)
         host = await self.models.host(base_model)
         new_id = new_id or run_id("run")
+        size = await self.adapter_bytes(base_model, spec, tenant)
+        self._check_quota(tenant)  # again: other creates may have finished meanwhile
+        self.memory.take(new_id, tenant, size, f"a rank-{spec.rank} adapter on {base_model} (its weights, gradients "
+                                                f"and AdamW moments, {BYTES_PER_TRAINED_PARAM} bytes a parameter)")
+        try:
+            return await self._create(new_id, tenant, base_model, spec, host, meta, ref, body.load_optimizer)
+        except BaseException:
+            self.memory.give_back(new_id)
+            raise
+
+    async def adapter_bytes(self, base_model: str, spec: LoraSpec, tenant: str = "") -> int:
+        """What a run's adapter of ``spec`` holds on ``base_model``: weights, gradients and AdamW moments."""
+        layout = await self.models.lora_layout(base_model, tenant)
+        host = self.models.loaded(base_model)
+        return BYTES_PER_TRAINED_PARAM * adapter_parameters(layout, host.lora_targets(spec), spec.rank)
+
+    async def _create(self, new_id: str, tenant: str, base_model: str, spec: LoraSpec, host, meta, ref,
+                      load_optimizer: bool) -> TrainingRun:
+        store = self.checkpoints.store
         made: list = []
 
         def create() -> dict:  # on the model's thread: checkpoint files are read there, off the event loop
@@ -113,7 +135,7 @@ class Runs:
             if meta is not None:
                 try:
                     host.load_adapter_weights(adapter, store.read_tensors(ref, "adapter_model.safetensors"))
-                    state = store.read_tensors(ref, "optimizer.safetensors") if body.load_optimizer else None
+                    state = store.read_tensors(ref, "optimizer.safetensors") if load_optimizer else None
                     host.load_optimizer_state(adapter, state)
                 except BaseException:
                     host.drop_adapter(new_id)
@@ -141,6 +163,7 @@ class Runs:
         run = self.get(training_run_id, tenant)
         host = self.models.loaded(run.base_model)
         del self._runs[training_run_id]
+        self.memory.give_back(training_run_id)
         # in the tenant's lane, so it runs after the run's ops already queued there
         await self.models.run_on_model(run.base_model, "delete_training_run",
                                        lambda: host.drop_adapter(run.run_id) or {}, tenant)

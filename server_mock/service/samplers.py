@@ -88,10 +88,7 @@ class Samplers:
                                                 f"{hint!r}, which this worker does not serve)")
             base_model = hint
         host = await self.models.host(base_model)
-        if base_model not in self._layouts:
-            layout = await self.models.run_on_model(base_model, "adapter_layout",
-                                                    lambda: {"layout": host.lora_layout()}, tenant)
-            self._layouts[base_model] = layout["layout"]
+        self._layouts[base_model] = await self.models.lora_layout(base_model, tenant)
         sampler = Sampler(run_id("sampler"), tenant, base_model, str(folder))
         await asyncio.to_thread(self._local_snapshot, sampler, host)  # check it now, once
         return self._add(sampler)
@@ -118,7 +115,10 @@ class Samplers:
 
     def _weights_for(self, sampler: Sampler, host: ModelHost):
         """(batch key, loader): the loader returns the sampler's Snapshot (None: the base model) and runs on
-        the model's thread. Weights that are gone are a 404 now, not a failed request later."""
+        the model's thread. Weights that are gone are a 404 now, not a failed request later. ``submit`` adds the
+        tenant to the key (unless ``--batch-across-tenants``): requests of different tenants are then never decoded
+        in one batch, so nothing in an answer (its ``batch_requests``, its timings, its logprobs' last bits)
+        depends on another tenant's traffic."""
         if sampler.model_path is None:
             return f"{sampler.base_model}:base", lambda: None
         if peft_folders.is_local_path(sampler.model_path):
@@ -158,7 +158,8 @@ class Samplers:
         check_queued(self.requests, tenant, self.limits.max_queued_requests)
         host = self.models.loaded(sampler.base_model)
         spec = validate_sample(request, host, self.limits)
-        batch_key, load = self._weights_for(sampler, host)
+        weights_key, load = self._weights_for(sampler, host)
+        batch_key = weights_key if self.limits.batch_across_tenants else f"{tenant}|{weights_key}"
         return_text = request.return_text
 
         def run_sample() -> dict:

@@ -18,22 +18,29 @@ from server_mock.training import losses
 
 def validate_sample(request: SampleRequest, host: ModelHost, limits: Limits) -> SampleSpec:
     params = request.sampling_params
-    prompt = np.asarray(request.prompt_tokens, dtype=np.int64)
+    prompt = token_array(request.prompt_tokens, host.vocab_size, "prompt_tokens")
     if len(prompt) == 0:
         raise bad_request("prompt_tokens", "prompt cannot be empty")
     check_vocab(prompt, host.vocab_size, "prompt_tokens", allow_ignore=False)
     if not 1 <= request.num_samples <= limits.max_num_samples:
         raise WorkerError(413 if request.num_samples > 0 else 400, "invalid_num_samples",
                           f"num_samples: must be in [1, {limits.max_num_samples}] (limit max_num_samples), "
-                          f"got {request.num_samples}", "num_samples")
+                          f"got {describe_int(request.num_samples)}", "num_samples")
     if not 1 <= params.max_tokens <= limits.max_sample_tokens:
         raise WorkerError(413 if params.max_tokens > 0 else 400, "invalid_max_tokens",
                           f"sampling_params.max_tokens: must be in [1, {limits.max_sample_tokens}] "
-                          f"(limit max_sample_tokens), got {params.max_tokens}", "sampling_params.max_tokens")
+                          f"(limit max_sample_tokens), got {describe_int(params.max_tokens)}",
+                          "sampling_params.max_tokens")
     if len(prompt) + params.max_tokens > host.max_seq_len:
         raise WorkerError(413, "sequence_too_long",
                           f"sampling_params.max_tokens: prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) "
                           f"exceeds max_seq_len={host.max_seq_len}", "sampling_params.max_tokens")
+    total = request.num_samples * (len(prompt) + params.max_tokens)
+    if total > limits.max_sample_request_tokens:  # how long the request may hold the model
+        raise WorkerError(413, "request_too_large",
+                          f"num_samples: {request.num_samples} samples x (prompt {len(prompt)} + max_tokens "
+                          f"{params.max_tokens}) = {total} tokens exceeds limit max_sample_request_tokens="
+                          f"{limits.max_sample_request_tokens}; send fewer samples per request", "num_samples")
     if not math.isfinite(params.temperature) or params.temperature < 0:
         raise bad_request("sampling_params.temperature", f"must be a finite number >= 0, got {params.temperature}")
     if not math.isfinite(params.top_p) or not 0 < params.top_p <= 1:
@@ -48,8 +55,8 @@ def validate_sample(request: SampleRequest, host: ModelHost, limits: Limits) -> 
             raise WorkerError(413, "too_many_stop_token_ids",
                               f"sampling_params.stop_token_ids: {len(params.stop_token_ids)} ids exceeds limit "
                               f"max_stop_token_ids={limits.max_stop_token_ids}", "sampling_params.stop_token_ids")
-        check_vocab(np.asarray(params.stop_token_ids, dtype=np.int64), host.vocab_size,
-                    "sampling_params.stop_token_ids", allow_ignore=False)
+        check_vocab(token_array(params.stop_token_ids, host.vocab_size, "sampling_params.stop_token_ids"),
+                    host.vocab_size, "sampling_params.stop_token_ids", allow_ignore=False)
         stop_ids = list(params.stop_token_ids)
     else:
         stop_ids = host.stop_token_ids()
@@ -169,6 +176,21 @@ def _loss_input(value: np.ndarray, key: str, n: int, where: str, host: ModelHost
         at = f"position {cell[0]}" if value.ndim == 1 else f"cell {list(map(int, cell))}"
         raise bad_request(where, f"must be finite; {at} is {value.reshape(-1)[bad]}")
     return value
+
+
+def describe_int(value: int) -> str:
+    """An integer for a message: its digits, or its size when it has too many to print."""
+    return str(value) if -(2**64) < value < 2**64 else f"{'-' if value < 0 else ''}(a {value.bit_length()}-bit integer)"
+
+
+def token_array(ids: Sequence[int], vocab_size: int, field_name: str) -> np.ndarray:
+    """Token ids as int64; an id that does not even fit in 64 bits is refused like any id outside the vocabulary."""
+    try:
+        return np.asarray(ids, dtype=np.int64)
+    except OverflowError:
+        pos = next(i for i, t in enumerate(ids) if not -(2**63) <= t < 2**63)
+        raise bad_request(field_name, f"token id {describe_int(ids[pos])} at position {pos} is outside the "
+                                      f"vocabulary [0, {vocab_size})", code="token_id_out_of_range") from None
 
 
 def check_vocab(ids: np.ndarray, vocab_size: int, field_name: str, allow_ignore: bool) -> None:

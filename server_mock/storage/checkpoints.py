@@ -21,6 +21,7 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,9 +32,10 @@ from safetensors.torch import load_file, save_file
 
 from server_mock.errors import WorkerError, bad_request
 
-NAME_RE = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9_-])?$")
-RUN_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
-PATH_RE = re.compile(r"^trio://(?P<run>[^/]+)/(?P<kind>state|sampler)/(?P<name>[^/]+)$")
+# anchored with \Z, not $ (which also matches before a trailing newline), so .match and .fullmatch both hold
+NAME_RE = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9_-])?\Z")
+RUN_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}\Z")
+PATH_RE = re.compile(r"^trio://(?P<run>[^/]+)/(?P<kind>state|sampler)/(?P<name>[^/]+)\Z")
 KINDS = ("state", "sampler")
 ALL_KINDS = (*KINDS, "external")
 
@@ -50,17 +52,18 @@ class CheckpointRef:
 
 
 def parse_path(path: str, field: str = "path") -> CheckpointRef:
-    match = PATH_RE.match(path or "")
-    if not match or not RUN_RE.match(match["run"]) or not NAME_RE.match(match["name"]) or len(match["name"]) > 200:
-        raise bad_request(field, f"{path!r} is not a checkpoint path of this worker; expected trio://<run>/"
+    match = PATH_RE.fullmatch(path) if isinstance(path, str) else None
+    if not match or not RUN_RE.fullmatch(match["run"]) or not NAME_RE.fullmatch(match["name"]) \
+            or len(match["name"]) > 200:
+        raise bad_request(field, f"{_clip(path)} is not a checkpoint path of this worker; expected trio://<run>/"
                                  "<state|sampler>/<name> as returned by save_state/save_weights_for_sampler",
                           code="invalid_checkpoint_path")
     return CheckpointRef(match["run"], match["kind"], match["name"])
 
 
 def check_name(name: str, field: str = "name") -> str:
-    if not isinstance(name, str) or not NAME_RE.match(name) or len(name) > 200:
-        raise bad_request(field, f"invalid checkpoint name {name!r}: use letters, digits, '.', '_', '-', "
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name) or len(name) > 200:
+        raise bad_request(field, f"invalid checkpoint name {_clip(name)}: use letters, digits, '.', '_', '-', "
                                  "starting with a letter or digit", code="invalid_checkpoint_name")
     return name
 
@@ -80,9 +83,55 @@ def is_expired(meta: dict, now: float | None = None) -> bool:
 
 
 class CheckpointStore:
+    """Checkpoints under ``root``. Which runs hold a tenant's checkpoints is kept in memory (read from the
+    runs' metadata once, on the first listing, then kept up to date by every write), so listing one tenant's
+    checkpoints reads only that tenant's folders."""
+
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
         (self.root / "checkpoints").mkdir(parents=True, exist_ok=True)
+        self._runs_of: dict[str, set[str]] | None = None  # tenant -> run ids with checkpoints
+        self._index_lock = threading.Lock()
+
+    def build_index(self) -> None:
+        """Read which tenant each run with checkpoints belongs to (one metadata file per run)."""
+        runs_of: dict[str, set[str]] = {}
+        base = self.root / "checkpoints"
+        for run in base.iterdir():
+            if not run.is_dir() or not RUN_RE.fullmatch(run.name):
+                continue
+            owner = self._run_owner(run)
+            if owner is not None:
+                runs_of.setdefault(owner, set()).add(run.name)
+        with self._index_lock:
+            self._runs_of = runs_of
+
+    @staticmethod
+    def _run_owner(run: Path) -> str | None:
+        for kind in KINDS:
+            folder = run / kind
+            if not folder.is_dir():
+                continue
+            for ckpt in folder.iterdir():
+                meta = ckpt / "meta.json"
+                if not ckpt.name.startswith(".") and meta.exists():
+                    try:
+                        return json.loads(meta.read_text()).get("tenant", "")
+                    except (OSError, ValueError):
+                        continue
+        return None
+
+    def runs_of(self, tenant: str) -> list[str]:
+        """The runs that hold (or held) checkpoints of ``tenant``."""
+        if self._runs_of is None:
+            self.build_index()
+        with self._index_lock:
+            return sorted(self._runs_of.get(tenant, ()))
+
+    def _index(self, run_id: str, tenant: str) -> None:
+        with self._index_lock:
+            if self._runs_of is not None:
+                self._runs_of.setdefault(tenant, set()).add(run_id)
 
     def folder(self, ref: CheckpointRef) -> Path:
         return self.root / "checkpoints" / ref.run_id / ref.kind / ref.name
@@ -108,6 +157,7 @@ class CheckpointStore:
             raise WorkerError(409, "checkpoint_exists", f"name: checkpoint {ref.path} already exists; "
                                                         "pass overwrite=True or choose another name", "name")
         final.parent.mkdir(parents=True, exist_ok=True)
+        self._index(ref.run_id, meta.get("tenant", ""))
         tmp = Path(tempfile.mkdtemp(prefix=f".{ref.name}.tmp-", dir=final.parent))
         try:
             for filename, state in tensors.items():
@@ -180,14 +230,19 @@ class CheckpointStore:
             raise WorkerError(404, "checkpoint_not_found", f"path: no checkpoint at {ref.path}", "path")
         shutil.rmtree(self.folder(ref))
 
-    def list(self, run_id: str | None = None, include_expired: bool = False,
+    def list(self, run_id: str | None = None, tenant: str | None = None, include_expired: bool = False,
              kinds: tuple[str, ...] = KINDS) -> list[tuple[CheckpointRef, dict, int]]:
-        """(ref, metadata, size in bytes) of every checkpoint (of one run) of ``kinds``, expired ones left out
-        unless asked."""
+        """(ref, metadata, size in bytes) of the checkpoints of ``kinds`` of one run, of the runs of one tenant, or
+        all; expired ones left out unless asked."""
         base = self.root / "checkpoints"
-        if run_id and not RUN_RE.match(run_id):
-            raise bad_request("training_run_id", f"invalid run id {run_id!r}")
-        runs = [base / run_id] if run_id else sorted(p for p in base.iterdir() if p.is_dir())
+        if run_id and not RUN_RE.fullmatch(run_id):
+            raise bad_request("training_run_id", f"invalid run id {run_id[:80]!r}")
+        if run_id:
+            runs = [base / run_id]
+        elif tenant is not None:
+            runs = [base / run for run in self.runs_of(tenant)]
+        else:
+            runs = sorted(p for p in base.iterdir() if p.is_dir())
         runs = [r for r in runs if r.is_dir()]
         out = []
         for run in runs:
@@ -229,3 +284,9 @@ def _fsync(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _clip(value: object) -> str:
+    """A sent value for a message: its repr, cut to 100 characters."""
+    text = repr(value[:100] if isinstance(value, str) else value)
+    return text if len(text) <= 103 else text[:100] + "..."

@@ -131,6 +131,7 @@ def test_malformed_requests_are_rejected_and_change_nothing(worker, service, vic
             assert field in error["message"] or field in (error.get("field") or ""), (label, error)
         raw_cases = [
             ("seq out of order", json.dumps({"seq_id": seq + 5, "payload": fb()}), 409, "seq_id"),
+            ("seq one past the next", json.dumps({"seq_id": seq + 1, "payload": fb()}), 409, "seq_id"),
             ("seq zero", json.dumps({"seq_id": 0, "payload": fb()}), 422, "seq_id"),
             ("not JSON", "{seq_id: 1,", 400, "body"),
             ("bad UTF-8", b'{"seq_id": 1, "payload": "\xff\xfe"}', 400, "body"),

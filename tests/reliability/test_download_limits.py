@@ -63,6 +63,11 @@ def test_url_lifetimes_are_bounded(tmp_path):
     assert from_args(Limits, parser.parse_args(["serve", "--download-url-seconds", "60"])).download_url_seconds == 60
     with pytest.raises(ValueError, match="--download-url-seconds must be >= 60"):
         from_args(Limits, parser.parse_args(["serve", "--download-url-seconds", "59"]))
+    from server_mock.cli import check_limits
+    week = from_args(Limits, parser.parse_args(["serve", "--download-url-seconds", "604800"]))
+    assert check_limits(week) is None
+    longer = from_args(Limits, parser.parse_args(["serve", "--download-url-seconds", "604801"]))
+    assert "--download-url-seconds must be at most 604800" in check_limits(longer)
     assert from_args(Limits, parser.parse_args(["serve", "--max-archive-builds", "1"])).max_archive_builds == 1
     with pytest.raises(ValueError, match="--max-archive-builds must be >= 1"):
         from_args(Limits, parser.parse_args(["serve", "--max-archive-builds", "0"]))

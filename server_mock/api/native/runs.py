@@ -130,5 +130,5 @@ ROUTES = [
     Route("/v1/training_runs", endpoint(create_run, CreateTrainingRun), methods=["POST"]),
     Route("/v1/training_runs/{run_id}", endpoint(get_run), methods=["GET"]),
     Route("/v1/training_runs/{run_id}", endpoint(delete_run), methods=["DELETE"]),
-    Route("/v1/training_runs/{run_id}/ops", endpoint(submit_op, TrainingOp), methods=["POST"]),
+    Route("/v1/training_runs/{run_id}/ops", endpoint(submit_op, TrainingOp, tensors=True), methods=["POST"]),
 ]

@@ -67,7 +67,7 @@ async def _listing(state: PytrioState, request: Request, tenant: str, run_cuid: 
 
 async def list_run_checkpoints(state: PytrioState, request: Request, tenant: str):
     run_cuid = request.path_params["run"]
-    if not RUN_RE.match(run_cuid):  # not a run id this worker makes: no checkpoints (not an error of the list)
+    if not RUN_RE.fullmatch(run_cuid):  # not a run id this worker makes: no checkpoints (not an error of the list)
         return {"checkpoints": [], "cursor": cw.CursorOut(offset=0, limit=1, total=0).model_dump()}
     return await _listing(state, request, tenant, run_cuid)
 

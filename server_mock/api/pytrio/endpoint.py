@@ -31,7 +31,7 @@ CAPACITY = "actor_capacity_exceeded"
 
 def first_error(exc: PydanticValidationError, prefix: str = "") -> tuple[str, str]:
     """(field path, message) of a validation error's first problem, in the wire's own field names."""
-    first = exc.errors()[0]
+    first = bodies.first_error(exc)  # never all the errors of a long list turned into dicts
     parts = [str(p) for p in first.get("loc", ()) if not str(p).startswith("function-")]
     loc = ".".join(([prefix] if prefix else []) + parts) or prefix or "body"
     return loc, f"{loc}: {first.get('msg', 'invalid')}"

@@ -34,11 +34,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from server_mock.api.downloads import ARCHIVE, Downloads, Served
-from server_mock.api.tinker.endpoint import field, read_json, read_json_sized
+from server_mock.api.tinker import schemas
+from server_mock.api.tinker.endpoint import read_json
 from server_mock.api.tinker.paths import to_trio_path
 from server_mock.api.tinker.rest import MAX_TTL_SECONDS, MIN_TTL_SECONDS, run_id_of
 from server_mock.api.tinker.state import TinkerState
-from server_mock.api.tinker.submit import gated
+from server_mock.api.tinker.submit import gated, read_op
 from server_mock.errors import WorkerError, bad_request
 from server_mock.storage.encryption import parse_recipients
 
@@ -96,11 +97,11 @@ class Export:
     # --- POST /save_weights_external ------------------------------------------------------------------------
 
     async def save_weights_external(self, state: TinkerState, request: Request, tenant: str):
-        body, size, body_digest = await read_json_sized(request, state.body_limit)
-        model = state.model(field(body, "model_id", str), tenant)
-        name = field(body, "path", str)
-        ttl = _ttl(body.get("ttl_seconds"))
-        recipients = parse_recipients(body.get("age_encryption_recipients"))
+        body, size = await read_op(state, request, tenant, schemas.SaveWeightsExternal)
+        model = state.model(body.model_id, tenant)
+        name = body.path
+        ttl = _ttl(body.ttl_seconds)
+        recipients = parse_recipients(body.age_encryption_recipients)
 
         def payload():
             return state.service.runs.export_op(model.run_id, tenant, name, ttl, tinker_layout, recipients)
@@ -109,7 +110,7 @@ class Export:
             return {"path": f"tinker://{result['run_id']}/external_weights/{result['name']}",
                     "size_bytes": result["size"], "type": "save_weights_external"}
 
-        return gated(state, tenant, model, body.get("seq_id"), body_digest, payload, convert, size)
+        return gated(state, tenant, model, body.seq_id, body.digest(), payload, convert, size)
 
     # --- GET .../external_weights/{name}/external_weights_urls ------------------------------------------------
 
@@ -128,7 +129,7 @@ class Export:
     # --- PUT .../external_weights/{name}/ttl, DELETE .../external_weights/{name} ------------------------------
 
     async def set_ttl(self, state: TinkerState, request: Request, tenant: str):
-        body = await read_json(request, state.body_limit)
+        body = await read_json(request, state.json_limit)
         if "ttl_seconds" not in body:
             raise bad_request("ttl_seconds", "required: seconds from now, or null for no expiry")
         ttl = _ttl(body["ttl_seconds"])

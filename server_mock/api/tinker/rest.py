@@ -94,7 +94,7 @@ def run_id_of(state: TinkerState, tenant: str, given: str) -> str:
     model = state.models.get(given)
     if model is not None and model.tenant == tenant:
         return model.run_id
-    if not RUN_RE.match(given):
+    if not RUN_RE.fullmatch(given):
         raise not_found("training_run", given)
     return given
 
@@ -186,7 +186,7 @@ async def delete_checkpoint(state: TinkerState, request: Request, tenant: str):
 
 async def set_checkpoint_ttl(state: TinkerState, request: Request, tenant: str):
     path = checkpoint_path(state, tenant, request)
-    body = _parse(TtlBody, await read_json(request, state.body_limit), "body")
+    body = _parse(TtlBody, await read_json(request, state.json_limit), "body")
     when = None if body.ttl_seconds is None else time.time() + body.ttl_seconds
     await asyncio.to_thread(state.service.checkpoints.set_expiry, path, tenant, when)
     return {}
@@ -248,7 +248,7 @@ def _summary(state: TinkerState, session) -> dict:
 
 
 async def search_sessions(state: TinkerState, request: Request, tenant: str):
-    query = _parse(SessionSearch, await read_json(request, state.body_limit), "body")
+    query = _parse(SessionSearch, await read_json(request, state.json_limit), "body")
     if query.project_ids is not None:
         raise bad_request("project_ids", "projects are a feature of the hosted Tinker service; leave it unset")
     if query.owner.get("type", "own") != "own":

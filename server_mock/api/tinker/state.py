@@ -15,11 +15,13 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from server_mock.api.bodies import json_limit, tensor_limit
 from server_mock.api.tinker.futures import Futures
 from server_mock.api.tinker.gate import SeqGate
 from server_mock.api.tinker.holding import HeldBytes
 from server_mock.api.tinker.proto.decode import ElementBudget
 from server_mock.errors import WorkerError
+from server_mock.service.quotas import TenantLRU
 from server_mock.service.worker import WorkerService
 
 logger = logging.getLogger("server_mock")
@@ -32,6 +34,7 @@ WAITING_BYTES_PER_SESSION_BODIES = 4  # out-of-order requests of a session hold 
 WAITING_BYTES_PER_WORKER_BODIES = 16  # and of the whole worker at most 16 x max_body_bytes
 ELEMENTS_PER_TOKEN = 8  # a forward_backward request's tensors may declare 8 x max_tokens_per_request elements
 IMPLICIT_SAMPLERS_PER_TENANT = 16  # samplers kept for asample calls that name no sampling session
+MAX_SAMPLE_IDS = 20_000  # (sampler, seq_id) pairs remembered per API key to answer re-sent asample requests
 
 
 @dataclass
@@ -65,15 +68,17 @@ class TinkerState:
     def __init__(self, service: WorkerService) -> None:
         self.service = service
         limits = service.limits
-        self.body_limit = limits.max_body_bytes
-        self.futures = Futures()
+        self.json_limit = json_limit(limits)  # every JSON body
+        self.tensor_limit = tensor_limit(limits)  # forward_backward's protobuf body
+        self.futures = Futures(ttl=service.requests.result_ttl, max_bytes=limits.max_result_bytes)
         self.held = HeldBytes(WAITING_BYTES_PER_SESSION_BODIES * limits.max_body_bytes,
                               WAITING_BYTES_PER_WORKER_BODIES * limits.max_body_bytes)
         self.sessions: dict[str, Session] = {}
         self.models: dict[str, TinkerModel] = {}
         self.creations: dict[tuple[str, int], tuple[str, str]] = {}  # (session, model_seq_id) -> (request, model)
         self.sampling_sessions: dict[tuple[str, int], str] = {}  # (session, sampling_session_seq_id) -> sampler
-        self.samples: OrderedDict[tuple[str, int], tuple[str, list[str], str]] = OrderedDict()
+        # "sampler:seq_id" -> (request id, sequence ids, body digest), to answer re-sent asample requests; per tenant
+        self.samples: TenantLRU[tuple[str, list[str], str]] = TenantLRU(MAX_SAMPLE_IDS)
         self.implicit_samplers: dict[str, OrderedDict[tuple[str | None, str | None], str]] = {}
         self.sampler_sessions: dict[str, str] = {}  # sampler id -> the session it was made in (provenance scope)
 

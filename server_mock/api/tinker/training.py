@@ -15,18 +15,23 @@ from dataclasses import dataclass
 
 from starlette.requests import Request
 
-from pytrio_compat.wire import AdamParams, OptimStepOp
-from server_mock.api.tinker.endpoint import digest, field, read_body, read_json_sized
-from server_mock.api.tinker import provenance
+from pytrio_compat.wire import OptimStepOp
+from server_mock.api import bodies
+from server_mock.api.tinker import provenance, schemas
+from server_mock.api.tinker.endpoint import digest, read_body
 from server_mock.api.tinker.paths import tinker_metrics
 from server_mock.api.tinker.proto import decode as proto
 from server_mock.api.tinker.proto import encode as results
+from server_mock.api.tinker.proto.bounds import TooManyFields, count_fields
 from server_mock.api.tinker.state import TinkerModel, TinkerState
-from server_mock.api.tinker.submit import gated
+from server_mock.api.tinker.submit import gated, raise_now, read_op
 from server_mock.errors import WorkerError, bad_request
 from server_mock.service.ops import DATUM_OVERHEAD_BYTES, ForwardBatch, PreparedOp
 
 # --- forward_backward ---------------------------------------------------------------------------------
+
+PROTO_FIELDS_PER_TOKEN = 1  # a datum has about 22 fields (chunks, tensors, shapes) and, in RL, hundreds of tokens
+MIN_PROTO_FIELDS = 1 << 16
 
 
 @dataclass
@@ -44,7 +49,15 @@ def decode_forward(raw: bytes, budget: proto.ElementBudget) -> DecodedForward:
     """Runs in a thread: the checked op of a ForwardBackwardRequest body, or why it is refused.
 
     A body that is not a ForwardBackwardRequest at all raises; one that is, but carries bad data,
-    comes back with ``error`` set, so its seq_id can still be used up in order."""
+    comes back with ``error`` set, so its seq_id can still be used up in order. Before it is parsed, the body's
+    fields are counted (at most ``PROTO_FIELDS_PER_TOKEN`` per token of the request's token budget): parsing holds
+    ~50 bytes per message however small, and each datum must hold a token anyway."""
+    limit = max(MIN_PROTO_FIELDS, PROTO_FIELDS_PER_TOKEN * (budget.max_tokens or 0))
+    try:
+        count_fields(raw, proto.pb.ForwardBackwardRequest.DESCRIPTOR, limit)
+    except TooManyFields as exc:
+        raise proto.ProtoError("body", f"{exc} ({PROTO_FIELDS_PER_TOKEN} per token of limit max_tokens_per_request="
+                                       f"{budget.max_tokens})", status=413) from None
     message = proto.parse_forward_backward_request(raw)
     out = DecodedForward(message.model_id, message.seq_id, digest(raw))
     try:
@@ -91,12 +104,14 @@ async def forward_result(result: dict) -> bytes:
 
 
 async def forward_backward(state: TinkerState, request: Request, tenant: str):
-    raw = await read_body(request, state.body_limit)  # its Content-Type was checked: application/x-protobuf
+    raw = await read_body(request, state.tensor_limit, json_values=False)  # Content-Type: application/x-protobuf
     budget = state.element_budget()
     try:
-        decoded = await asyncio.to_thread(decode_forward, raw, budget)
+        async with bodies.parsing(request, len(raw)):
+            decoded = await asyncio.to_thread(decode_forward, raw, budget)
     except proto.ProtoError as exc:
-        raise WorkerError(400, "invalid_protobuf", str(exc), exc.field) from None
+        code = "request_too_large" if exc.status == 413 else "invalid_protobuf"
+        raise WorkerError(exc.status, code, str(exc), exc.field) from None
     model = state.model(decoded.model_id, tenant)
     error = decoded.error
     if error is None:
@@ -113,12 +128,8 @@ async def forward_backward(state: TinkerState, request: Request, tenant: str):
     # back waiting for it, and the request itself is answered with the reason.
     code = "request_too_large" if error.status == 413 else "invalid_protobuf"
     refusal = WorkerError(error.status, code, str(error), error.field)
-    gated(state, tenant, model, decoded.seq_id, decoded.digest, lambda: _raise_now(refusal), None, 0)
+    gated(state, tenant, model, decoded.seq_id, decoded.digest, lambda: raise_now(refusal), None, 0)
     raise refusal
-
-
-def _raise_now(exc: BaseException):
-    raise exc
 
 
 def _op_again(raw: bytes, budget: proto.ElementBudget, prepare: Callable[[ForwardBatch], PreparedOp | Exception]):
@@ -131,17 +142,18 @@ def _op_again(raw: bytes, budget: proto.ElementBudget, prepare: Callable[[Forwar
 # --- optim_step ---------------------------------------------------------------------------------------
 
 
-def _adam_params(body: dict) -> OptimStepOp:
-    params = body.get("adam_params") or body.get("optim_params")
-    other = body.get("optimizer_params")
-    if params is None and isinstance(other, dict) and other.get("type") not in (None, "adam", "adamw"):
-        raise bad_request("optimizer_params.type", f"{other.get('type')!r} is not supported; this worker "
+def _sent(params: schemas.Adam | None) -> schemas.Adam | None:
+    return params if params is not None and params.model_fields_set else None  # {} asks for nothing
+
+
+def _adam_params(body: schemas.OptimStep) -> OptimStepOp:
+    params = _sent(body.adam_params) or _sent(body.optim_params)
+    other = body.optimizer_params
+    if params is None and other is not None and other.type not in (None, "adam", "adamw"):
+        raise bad_request("optimizer_params.type", f"{other.type[:60]!r} is not supported; this worker "
                                                    "trains with adamw only")
-    params = params or other or {}
-    if not isinstance(params, dict):
-        raise bad_request("adam_params", "must be an object")
-    known = AdamParams.model_fields
-    return OptimStepOp(adam_params=AdamParams(**{k: v for k, v in params.items() if k in known}))
+    params = params or other or schemas.Adam()
+    return OptimStepOp(adam_params=params.params())
 
 
 def _optim_metrics(result: dict) -> dict:
@@ -152,7 +164,6 @@ def _optim_metrics(result: dict) -> dict:
 
 
 async def optim_step(state: TinkerState, request: Request, tenant: str):
-    body, size, body_digest = await read_json_sized(request, state.body_limit)
-    model = state.model(field(body, "model_id", str), tenant)
-    return gated(state, tenant, model, body.get("seq_id"), body_digest, lambda: _adam_params(body), _optim_metrics,
-                 size)
+    body, size = await read_op(state, request, tenant, schemas.OptimStep)
+    model = state.model(body.model_id, tenant)
+    return gated(state, tenant, model, body.seq_id, body.digest(), lambda: _adam_params(body), _optim_metrics, size)

@@ -219,6 +219,8 @@ def _decode_datum(datum: pb.Datum, index: int, budget: ElementBudget) -> ProtoDa
             raise ProtoError(f"{where}.model_input[{j}]", "audio (dmel) chunks are not supported")
         else:
             raise ProtoError(f"{where}.model_input[{j}]", "an empty chunk (expected encoded_text)")
+    if not any(len(t) for t in tokens):  # refused now: a body of empty datums would cost decoding for nothing
+        raise ProtoError(f"{where}.model_input", "a datum needs at least one token")
     inputs = {key: decode_tensor(value, f"{where}.loss_fn_inputs.{key}", budget)
               for key, value in datum.loss_fn_inputs.items()}
     all_tokens = np.concatenate(tokens) if tokens else np.zeros(0, dtype=np.int64)
