@@ -22,7 +22,7 @@ from server_mock.service.validation import validate_rows, validate_sample
 from server_mock.training import losses
 
 pytestmark = pytest.mark.timeout(600)
-FAMILIES = ["qwen3_5", "gemma3", "qwen2_5_vl", "llava"]
+FAMILIES = ["qwen3_5", "gemma3", "qwen3_vl", "qwen2_5_vl", "llava"]
 LIMITS = Limits()
 
 
@@ -56,9 +56,9 @@ def text_ids(host: LocalModelHost, n: int, seed: int) -> list[int]:
 
 
 def sample_spec(host, prompt_text, images, n=4, max_tokens=6, seed=7, **params):
+    params.setdefault("stop_token_ids", [])  # no stop unless asked, not even EOS
     request = SampleRequest(prompt_tokens=prompt_text, prompt_images=images, num_samples=n,
-                            sampling_params=WireSamplingParams(max_tokens=max_tokens, seed=seed, stop_token_ids=[],
-                                                               **params))
+                            sampling_params=WireSamplingParams(max_tokens=max_tokens, seed=seed, **params))
     return validate_sample(request, host, LIMITS)
 
 
@@ -151,6 +151,28 @@ def test_coalesced_prompts_with_and_without_images_and_two_images(hosts, arch):
     ref = independent_logprobs(host, two, [a, b])
     np.testing.assert_allclose(ref[len(spec1.prompt_tokens) - 1:].numpy(), together[0].sequences[0].logprobs,
                                atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "gemma3"])
+def test_stop_strings_and_stop_ids_end_an_image_prompts_rows_as_for_text(hosts, arch):
+    host = hosts(arch)
+    pic = png(24, 40, 9)
+    before = text_ids(host, 4, 10)
+    free = host.sample_batch(None, [sample_spec(host, before, [image(pic, 4)], n=1, max_tokens=10,
+                                                temperature=0.0)], {})[0].sequences[0]
+    assert len(free.tokens) == 10
+    stop_id = free.tokens[5]
+    cut = free.tokens.index(stop_id) + 1
+    by_id = host.sample_batch(None, [sample_spec(host, before, [image(pic, 4)], n=1, max_tokens=10, temperature=0.0,
+                                                 stop_token_ids=[stop_id])], {})[0].sequences[0]
+    assert by_id.tokens == free.tokens[:cut] and by_id.stop_reason == "stop"
+    np.testing.assert_allclose(by_id.logprobs, free.logprobs[:cut], atol=1e-6, rtol=0)
+    text = host.tokenizer.decode(free.tokens[6:8])
+    if text.strip():
+        stopped = host.sample_batch(None, [sample_spec(host, before, [image(pic, 4)], n=1, max_tokens=10,
+                                                       temperature=0.0, stop=[text])], {})[0].sequences[0]
+        assert stopped.stop_reason == "stop" and len(stopped.tokens) <= 8
+        assert text in host.tokenizer.decode(stopped.tokens) and stopped.tokens == free.tokens[:len(stopped.tokens)]
 
 
 @pytest.mark.parametrize("loss_fn", sorted(losses.REQUIRED_INPUTS))
