@@ -4,6 +4,8 @@ around an image in a user turn."""
 from __future__ import annotations
 
 import io
+import struct
+import zlib
 
 import numpy as np
 from PIL import Image
@@ -45,3 +47,14 @@ def completion_inputs(n_prompt: int, completion: list[int]) -> dict:
     """Cross-entropy inputs scoring only the completion of a datum whose model input is prompt + completion[:-1]."""
     return {"target_tokens": [0] * (n_prompt - 1) + list(completion),
             "weights": [0.0] * (n_prompt - 1) + [1.0] * len(completion)}
+
+
+
+def png_declaring(width: int, height: int) -> bytes:
+    """A valid PNG header claiming ``width x height`` RGB pixels with one row of data (a few hundred bytes)."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    raw = zlib.compress(b"\x00" * (1 + 3 * width), 9)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", raw) + chunk(b"IEND", b"")

@@ -12,7 +12,7 @@ import warnings
 import numpy as np
 import pytest
 
-from vision_support import completion_inputs, image_tokens, pieces, png
+from vision_support import completion_inputs, image_tokens, pieces, png, png_declaring
 
 import pytrio_compat as trio
 from server_mock.engine.tiny_vlm import make_tiny_vlm
@@ -144,3 +144,13 @@ def test_openai_chat_takes_data_url_images_and_refuses_remote_ones(vlm_worker):
             client.chat.completions.create(model="qwen3_5", max_tokens=2, messages=[{"role": "user", "content": [
                 {"type": "image_url", "image_url": {"url": bad}}, {"type": "text", "text": "hi"}]}])
         assert words in str(err.value) and "messages[0].content[0].image_url.url" in str(err.value)
+    bomb = "data:image/png;base64," + base64.b64encode(png_declaring(30000, 30000)).decode()
+    with pytest.raises(openai.APIStatusError) as err:  # refused from its header, named by the part it came in
+        client.chat.completions.create(model="gemma3", max_tokens=2, messages=[{"role": "user", "content": [
+            {"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": bomb}}]}])
+    assert err.value.status_code == 413 and "max_image_pixels" in str(err.value)
+    assert err.value.body["param"] == "messages[0].content[1].image_url.url"
+    with pytest.raises(openai.BadRequestError) as err:  # a text-only request names what is missing
+        client.chat.completions.create(model="qwen3_5", max_tokens=2, messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": url}}]}], logprobs=True, top_logprobs=2)
+    assert "top_logprobs" in str(err.value)

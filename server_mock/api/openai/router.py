@@ -25,7 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from pytrio_compat.types.model_input import ImageChunk
+from pytrio_compat.wire import ImageChunk
 from pytrio_compat.wire import WireImage
 from server_mock.api import bodies
 from server_mock.api.auth import Auth
@@ -144,8 +144,9 @@ def _image_part_error(exc: WorkerError, req: Generation) -> WorkerError:
         return exc
     k = int(field_name[len("prompt_images["):field_name.index("]")])
     prefix, to = f"prompt_images[{k}]", req.images[k][2]
-    if field_name.startswith(prefix + ".chunk"):
-        prefix, to = prefix + ".chunk", to + ".image_url"
+    if field_name.startswith(prefix + ".chunk"):  # the chunk's data and format came in the part's data: URL
+        rest = field_name[len(prefix + ".chunk"):]
+        prefix, to = prefix + ".chunk" + rest, to + ".image_url" + (".url" if rest else "")
     part = to + field_name[len(prefix):]
     message = exc.message.replace(prefix, to)
     return WorkerError(exc.status, exc.code, message, part)

@@ -18,7 +18,7 @@ from typing import Annotated, Any, ClassVar, Literal, Union
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
-from pytrio_compat.types.model_input import ImageChunk
+from pytrio_compat.wire import ImageChunk
 from pytrio_compat.wire import WireImage
 
 MAX_ID = 128

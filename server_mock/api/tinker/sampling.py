@@ -13,7 +13,7 @@ import asyncio
 from pydantic import ValidationError
 from starlette.requests import Request
 
-from pytrio_compat.types.model_input import ImageChunk
+from pytrio_compat.wire import ImageChunk
 from pytrio_compat.wire import CreateSampler, SampleRequest, WireImage, WireSamplingParams
 from server_mock.api.tinker import provenance, schemas
 from server_mock.api.tinker.endpoint import read

@@ -20,7 +20,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from server_mock.api.tinker.proto import tinker_wire_pb2 as pb
-from pytrio_compat.types.model_input import ImageChunk
+from pytrio_compat.wire import ImageChunk
 from pytrio_compat.wire import WireImage
 from server_mock.service.stability import Span
 
