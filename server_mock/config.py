@@ -41,6 +41,11 @@ class Limits:
     max_stop_string_bytes: int = setting(256, "UTF-8 bytes of one stop string")
     # checked per token; clients send a few, or a few hundred (a class of ids)
     max_stop_token_ids: int = setting(1024, "stop token ids per sample request")
+    # a long decode yields the model to the next waiting tenant after this long (engine/queue.py)
+    decode_slice_seconds: float = setting(0.5, "seconds a decode batch runs before the next tenant waiting for the "
+                                               "model takes its turn (the batch resumes after it); requests for the "
+                                               "same weights join the batch between steps", minimum=0.001,
+                                          metavar="S")
 
 
 MICRO_BATCH_TOKENS = 2048  # padded tokens per forward pass; bounds the (B, T, V) logits in memory

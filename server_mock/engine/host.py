@@ -69,6 +69,10 @@ class ModelHost(Protocol):
     def sample_batch(self, snapshot: Snapshot | None, specs: list, timings: dict[str, float]) -> list:
         """Generate for every ``SampleSpec`` as one batch with the snapshot's weights (None: the base model)."""
 
+    def sampling_session(self, snapshot: Snapshot | None) -> Any | None:
+        """A resumable decode batch for these weights (engine/sampling_session.py), which the model queue runs in
+        slices and adds requests to while it decodes; None where the host decodes a batch in one go."""
+
 
 def default_stop_ids(tokenizer, generation_config) -> list[int]:
     """EOS of the tokenizer and of the generation config (stop=None means: stop at end of turn)."""

@@ -22,6 +22,7 @@ from server_mock.config import TrainOptions
 from server_mock.engine import support
 from server_mock.engine.host import default_stop_ids
 from server_mock.engine.loading import load_model_and_tokenizer
+from server_mock.engine.sampling_session import SamplingSession
 from server_mock.errors import bad_request
 from server_mock.lora import Adapter, Layer, Snapshot, linear_groups, lora_config, model_layout, peft_adapter_config
 from server_mock.sampling.generate import generate_batch
@@ -240,6 +241,10 @@ class LocalModelHost:
         model = self.sampling_model(snapshot)
         timings["load_weights"] = time.perf_counter() - started
         return generate_batch(model, specs, self.tokenizer, timings, self.sampling_support)
+
+    def sampling_session(self, snapshot: Snapshot | None) -> SamplingSession:
+        """A decode batch for these weights that the model queue runs in slices and adds requests to."""
+        return SamplingSession(self, snapshot)
 
     def sampling_model(self, snapshot: Snapshot | None) -> nn.Module:
         """The model to generate with: the base model, or a sampler slot holding the snapshot's weights.
