@@ -197,6 +197,11 @@ class ModelQueue:
                 self._start([head])
                 self._execute(head)
                 continue
+            running = self._running_for(head)
+            if running is not None:  # its weights are decoding: it joins that batch, which runs this turn
+                self._add(running, head)
+                self._slice(running)
+                continue
             if self.batch_window > 0:
                 time.sleep(self.batch_window)
             group = [head] + self._joiners(head.batch_key, self.batch_token_budget - head.batch_cost)
@@ -221,6 +226,16 @@ class ModelQueue:
             for job in group:
                 self._add(session, job)
             self._slice(session)
+
+    def _running_for(self, job: Job) -> _Session | None:
+        """A decode session for the job's weights that can take it now (within the token budget)."""
+        with self._cond:
+            sessions = list(self._sessions.values())
+        for session in sessions:
+            if (session.key == job.batch_key and session.cost + job.batch_cost <= self.batch_token_budget
+                    and session.decoding.can_add()):
+                return session
+        return None
 
     def _start(self, jobs: list[Job]) -> None:
         now = time.monotonic()
@@ -292,7 +307,7 @@ class ModelQueue:
                 for job in session.jobs.values():  # pragma: no cover - a finished batch has no open job
                     self._fail(job, RuntimeError("the decode batch ended without this request's result"))
                 return
-            if turn_over():
+            if not arrivals() and turn_over():  # a job that arrived for these weights joins first
                 return
 
     def _close(self, session: _Session) -> None:
