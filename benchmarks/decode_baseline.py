@@ -12,6 +12,7 @@ come to the host in two transfers (now one). Only the full path (shared prefix, 
 from __future__ import annotations
 
 import random
+import time
 
 import torch
 
@@ -46,8 +47,10 @@ def _forward(model, ids, cache, keep, mask=None, positions=None):
     return out.logits, out.cache if getattr(out, "cache", None) is not None else out.past_key_values
 
 
-def baseline_generate_batch(model, specs) -> list[list[list[int]]]:
-    """Each request's sampled token rows (stop token ids honoured; no stop strings, no prompt logprobs)."""
+def baseline_generate_batch(model, specs, timings: dict | None = None) -> list[list[list[int]]]:
+    """Each request's sampled token rows (stop token ids honoured; no stop strings, no prompt logprobs);
+    ``timings`` gets the seconds of the prefill and of the decode."""
+    started = time.perf_counter()
     device = next(model.parameters()).device
     rows = []  # (request, generator, tokens, logprobs)
     for i, spec in enumerate(specs):
@@ -78,6 +81,7 @@ def baseline_generate_batch(model, specs) -> list[list[list[int]]]:
         step_logits = step_logits[idx]
         if padded:
             mask, next_pos = mask[idx], next_pos[idx]
+        prefilled = time.perf_counter()
         while live:
             next_tok, tok_lp = _next_tokens(specs, rows, live, step_logits)
             keep = []
@@ -102,4 +106,6 @@ def baseline_generate_batch(model, specs) -> list[list[list[int]]]:
             step_logits = logits[:, -1, :].float()
             if padded:
                 next_pos = next_pos + 1
+    if timings is not None:
+        timings["prefill"], timings["decode"] = prefilled - started, time.perf_counter() - prefilled
     return [[row[2] for row in rows if row[0] == i] for i in range(len(specs))]

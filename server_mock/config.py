@@ -54,8 +54,9 @@ PREFIX_SHARE_MIN_TOKENS = 32
 
 @dataclass(frozen=True)
 class TrainOptions:
-    """How forward/backward runs. bf16 autocast is 2-3x faster on CPUs with AVX-512 BF16 and on GPUs, but
-    the trainer's logprobs then differ from the float32 sampler's by ~1e-2, so it is off unless asked for."""
+    """How the model runs: forward/backward, and the sampler's decode steps. bf16 autocast is 2-3x faster on CPUs
+    with AVX-512 BF16 and on GPUs, but the trainer's logprobs then differ from the float32 sampler's by ~1e-2, so
+    it is off unless asked for."""
 
     micro_batch_tokens: int = setting(MICRO_BATCH_TOKENS, "padded tokens per forward/backward pass (bounds "
                                                           "activation and logit memory)")
@@ -67,6 +68,12 @@ class TrainOptions:
     float32_head: bool = setting(True, "compute the output head in the model's dtype (by default it runs in float32 "
                                        "in the sampler and the trainer, which keeps bf16 logprobs of the two sides "
                                        "closer)", flag="--no-float32-head")
+    # fixed-shape decode steps (sampling/static_steps.py): on CUDA captured as CUDA graphs per shape bucket
+    decode_graphs: bool = setting(False, "run the sampler's decode steps at fixed shapes (rows and cache columns in "
+                                         "buckets) through torch.compile: on CUDA, mode=reduce-overhead captures one "
+                                         "CUDA graph per bucket; the tokens and logprobs are the eager path's. "
+                                         "Compile time is paid once per bucket", flag="--decode-graphs",
+                                  choices={"off": False, "on": True})
     # datums of one call sharing at least this many leading tokens run them once (prefix_sharing.py); 0 = never
     prefix_share_min_tokens: int = setting(PREFIX_SHARE_MIN_TOKENS, "in one forward/backward call, datums sharing at "
                                            "least N leading tokens (a GRPO group's prompt) run them once; the results "

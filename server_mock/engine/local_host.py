@@ -26,6 +26,7 @@ from server_mock.engine.sampling_session import SamplingSession
 from server_mock.errors import bad_request
 from server_mock.lora import Adapter, Layer, Snapshot, linear_groups, lora_config, model_layout, peft_adapter_config
 from server_mock.sampling.generate import generate_batch
+from server_mock.sampling.static_steps import StaticSteps
 from server_mock.training import adamw, prefix_cache, prefix_sharing
 from server_mock.training.forward_backward import TrainModel, run_forward_backward, token_logprobs
 
@@ -61,6 +62,8 @@ class LocalModelHost:
         self.peft = None
         self.adapters: dict[str, Adapter] = {}
         self._slots: dict[str, str] = {}  # sampler slot adapter name -> snapshot id loaded in it
+        self._base_only: _BaseOnly | None = None
+        self._static: dict[int, tuple[nn.Module, StaticSteps]] = {}  # by sampling model
 
     # --- what the model is -------------------------------------------------------------------------------
 
@@ -240,11 +243,20 @@ class LocalModelHost:
         started = time.perf_counter()
         model = self.sampling_model(snapshot)
         timings["load_weights"] = time.perf_counter() - started
-        return generate_batch(model, specs, self.tokenizer, timings, self.sampling_support)
+        return generate_batch(model, specs, self.tokenizer, timings, self.sampling_support, self.static_steps(model))
 
     def sampling_session(self, snapshot: Snapshot | None) -> SamplingSession:
         """A decode batch for these weights that the model queue runs in slices and adds requests to."""
         return SamplingSession(self, snapshot)
+
+    def static_steps(self, model: nn.Module) -> StaticSteps | None:
+        """The fixed-shape (CUDA graph) decode steps of a sampling model, kept per model: None unless
+        ``--decode-graphs on``."""
+        if not self.options.decode_graphs:
+            return None
+        if id(model) not in self._static:
+            self._static[id(model)] = (model, StaticSteps(model, compile=True))
+        return self._static[id(model)][1]
 
     def sampling_model(self, snapshot: Snapshot | None) -> nn.Module:
         """The model to generate with: the base model, or a sampler slot holding the snapshot's weights.
@@ -253,7 +265,11 @@ class LocalModelHost:
         a different snapshot asks for it, so a GRPO step's many sample calls copy the weights once.
         """
         if snapshot is None:
-            return _BaseOnly(self.peft) if self.peft is not None else self.model
+            if self.peft is None:
+                return self.model
+            if self._base_only is None or self._base_only.inner is not self.peft:
+                self._base_only = _BaseOnly(self.peft)
+            return self._base_only
         layout = hashlib.sha256(repr((snapshot.spec.rank, snapshot.target_modules)).encode()).hexdigest()[:12]
         slot = f"sampler-slot-{layout}"
         if self.peft is None or slot not in self.peft.peft_config:

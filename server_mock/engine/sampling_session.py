@@ -26,7 +26,8 @@ class SamplingSession:
     def __init__(self, host, snapshot: Snapshot | None) -> None:
         self.host, self.snapshot = host, snapshot
         self.load_weights_s = 0.0
-        self.batch = DecodeBatch(self._activate(), host.tokenizer, host.sampling_support)
+        model = self._activate()
+        self.batch = DecodeBatch(model, host.tokenizer, host.sampling_support, static=host.static_steps(model))
         self.requests = 0  # requests added so far (the batch_requests metric)
 
     def _activate(self):

@@ -136,8 +136,11 @@ class DecodeBatch:
     """Requests decoding as one batch (see the module docstring). Not thread-safe: one thread drives it."""
 
     def __init__(self, model, tokenizer=None, support: SamplingSupport = FULL_SUPPORT,
-                 profile: dict[str, float] | None = None) -> None:
+                 profile: dict[str, float] | None = None, static=None) -> None:
         self.model, self.tokenizer, self.support = model, tokenizer, support
+        # fixed-shape steps (static_steps.StaticSteps: CUDA graphs on a GPU), or None for the dynamic path
+        self.static = static
+        self._in_static = False
         self.device = _model_device(model)
         self.rows: list[_Row] = []
         self.requests: dict[int, _Request] = {}
@@ -275,6 +278,7 @@ class DecodeBatch:
         if run is None:
             self._part = part
         else:
+            self._leave_static()
             columns = max(run.columns, part.columns)
             if run.mask is None and part.mask is None and run.columns == part.columns:
                 mask = positions = None
@@ -292,6 +296,20 @@ class DecodeBatch:
             run.rows = run.rows + part.rows
         self._live.extend(live)
         cache_rows.give_room(self._part.cache, self._room())
+        self._enter_static()
+
+    def _enter_static(self) -> None:
+        part = self._part
+        if self.static is None or self._in_static or not self.static.supports(part.cache):
+            return
+        self.static.load(part.cache, part.mask, part.positions, part.columns, self._room())
+        self._in_static = True
+
+    def _leave_static(self) -> None:
+        if self._in_static:
+            part = self._part
+            part.mask, part.positions, part.columns = self.static.unload(part.cache, self._room())
+            self._in_static = False
 
     def _positions(self, part: _Part) -> torch.Tensor:
         """Each cache row's next position (an unpadded part's rows are at its column count)."""
@@ -343,11 +361,14 @@ class DecodeBatch:
         self._live = going
         self._count("record", started)
         if not going:
+            if self._in_static:
+                self.static.active, self._in_static = None, False
             self._part = None
             self._prefill_waiting()
             return
         if self.support.shared_prefix and len(going) <= _COMPACT_AT * len(part.rows):
             started = time.perf_counter()
+            self._leave_static()
             where = {r: b for b, r in enumerate(part.rows)}
             idx = torch.tensor([where[r] for r in going], dtype=torch.long, device=self.device)
             cache_rows.keep_rows(part.cache, idx)
@@ -355,11 +376,17 @@ class DecodeBatch:
                 part.mask, part.positions = part.mask[idx], part.positions[idx]
             part.rows = list(going)
             cache_rows.give_room(part.cache, self._room())
+            self._enter_static()
             self._count("compact", started)
         started = time.perf_counter()
         # rows that stopped ride along until the next compaction, fed their last token; their outputs are unread
         feed = torch.tensor([self.rows[r].tokens[-1] if self.rows[r].tokens else 0 for r in part.rows],
                             dtype=torch.long).to(self.device)
+        if self._in_static:
+            part.step_logits = self.static.step(feed)
+            part.columns += 1
+            self._count("forward", started)
+            return
         if part.mask is not None:
             part.mask = torch.cat([part.mask, part.mask.new_ones((part.mask.shape[0], 1))], dim=1)
         positions = None if part.positions is None else part.positions[:, None]

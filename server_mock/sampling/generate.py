@@ -102,11 +102,12 @@ def generate(model, spec: SampleSpec, tokenizer=None, timings: dict[str, float] 
 
 
 def generate_batch(model, specs: list[SampleSpec], tokenizer=None, timings: dict[str, float] | None = None,
-                   support: SamplingSupport = FULL_SUPPORT) -> list[SampleResult]:
-    """Decode one or several sample requests as one batch (the async recipe's concurrent prompts)."""
+                   support: SamplingSupport = FULL_SUPPORT, static=None) -> list[SampleResult]:
+    """Decode one or several sample requests as one batch (the async recipe's concurrent prompts); ``static``:
+    fixed-shape steps (``static_steps.StaticSteps``) or None."""
     for spec in specs:
         check_spec(spec, tokenizer)
-    batch = DecodeBatch(model, tokenizer, support)
+    batch = DecodeBatch(model, tokenizer, support, static=static)
     handles = batch.admit(specs)
     batch.run()
     done = {f.handle: f for f in batch.take_finished()}
