@@ -217,7 +217,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-train", action="store_true")
     parser.add_argument("--quick", action="store_true", help="peaks, arithmetic and the profile only")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     from benchmarks import decode_profile
 

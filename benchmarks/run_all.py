@@ -1,6 +1,6 @@
 """Run every benchmark in turn (results land in benchmarks/results/*.json); see docs/benchmarks.md.
 
-    python benchmarks/run_all.py            # sampling, training, sync/client overhead, recipe step times
+    python benchmarks/run_all.py            # roofline, sampling, training, sync/client overhead, recipe step times
     python benchmarks/run_all.py --with-trl # also GRPO vs TRL (pip install trl first)
 """
 
@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SCRIPTS = ["sampling_throughput.py", "train_throughput.py", "sync_and_client_overhead.py", "recipe_step_time.py"]
+SCRIPTS = ["roofline.py", "sampling_throughput.py", "train_throughput.py", "sync_and_client_overhead.py", "recipe_step_time.py"]
 
 
 def main() -> None:
