@@ -1,6 +1,6 @@
 """Run every benchmark in turn (results land in benchmarks/results/*.json); see docs/benchmarks.md.
 
-    python benchmarks/run_all.py            # roofline, sampling, training, sync/client overhead, recipe step times
+    python benchmarks/run_all.py            # roofline, sampling, training, client overhead, recipe step times
     python benchmarks/run_all.py --with-trl # also GRPO vs TRL (pip install trl first)
 """
 
