@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SCRIPTS = ["roofline.py", "sampling_throughput.py", "train_throughput.py", "sync_and_client_overhead.py", "recipe_step_time.py"]
+SCRIPTS = ["roofline.py", "sampling_throughput.py", "train_throughput.py", "sync_and_client_overhead.py",
+           "recipe_step_time.py"]
 
 
 def main() -> None:
