@@ -74,6 +74,11 @@ class TrainOptions:
                                          "CUDA graph per bucket; the tokens and logprobs are the eager path's. "
                                          "Compile time is paid once per bucket", flag="--decode-graphs",
                                   choices={"off": False, "on": True})
+    # a snapshot's LoRA merged into a weight copy for decoding (engine/merged_lora.py); float32 models only
+    merge_lora_bytes: int = setting(2 * 1024 ** 3, "bytes of merged weight copies kept for decoding from snapshots "
+                                                   "of a float32 model (each snapshot's LoRA merged into a copy of "
+                                                   "the layers it adapts: faster decode steps, logprobs the same to "
+                                                   "~1e-7); 0 decodes unmerged", minimum=0, metavar="BYTES")
     # datums of one call sharing at least this many leading tokens run them once (prefix_sharing.py); 0 = never
     prefix_share_min_tokens: int = setting(PREFIX_SHARE_MIN_TOKENS, "in one forward/backward call, datums sharing at "
                                            "least N leading tokens (a GRPO group's prompt) run them once; the results "

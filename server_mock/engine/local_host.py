@@ -22,6 +22,7 @@ from server_mock.config import TrainOptions
 from server_mock.engine import support
 from server_mock.engine.host import default_stop_ids
 from server_mock.engine.loading import load_model_and_tokenizer
+from server_mock.engine.merged_lora import MergedDecoder, merged_bytes
 from server_mock.engine.sampling_session import SamplingSession
 from server_mock.errors import bad_request
 from server_mock.lora import Adapter, Layer, Snapshot, linear_groups, lora_config, model_layout, peft_adapter_config
@@ -63,6 +64,7 @@ class LocalModelHost:
         self.adapters: dict[str, Adapter] = {}
         self._slots: dict[str, str] = {}  # sampler slot adapter name -> snapshot id loaded in it
         self._base_only: _BaseOnly | None = None
+        self._merged: dict[str, tuple[MergedDecoder, int]] = {}  # snapshot id -> merged decoder, its bytes
         self._static: dict[int, tuple[nn.Module, StaticSteps]] = {}  # by sampling model
 
     # --- what the model is -------------------------------------------------------------------------------
@@ -241,7 +243,7 @@ class LocalModelHost:
         """Generate for every spec as one batch with the snapshot's weights (None: the base model); the time to
         load the weights goes in ``timings["load_weights"]``, prefill and decode times beside it."""
         started = time.perf_counter()
-        model = self.sampling_model(snapshot)
+        model = self.decode_model(snapshot)
         timings["load_weights"] = time.perf_counter() - started
         return generate_batch(model, specs, self.tokenizer, timings, self.sampling_support, self.static_steps(model))
 
@@ -258,6 +260,30 @@ class LocalModelHost:
             self._static[id(model)] = (model, StaticSteps(model, compile=True))
         return self._static[id(model)][1]
 
+    @staticmethod
+    def _slot_name(snapshot: Snapshot) -> str:
+        layout = hashlib.sha256(repr((snapshot.spec.rank, snapshot.target_modules)).encode()).hexdigest()[:12]
+        return f"sampler-slot-{layout}"
+
+    def decode_model(self, snapshot: Snapshot | None) -> nn.Module:
+        """The model a decode runs on: for a snapshot of a float32 model, its LoRA merged into a copy of the
+        adapted weights (engine/merged_lora.py) while the merged copies fit ``--merge-lora-bytes``; otherwise
+        ``sampling_model``. Merged copies are kept per snapshot, the least recently used dropped first."""
+        budget = self.options.merge_lora_bytes
+        if snapshot is None or self.dtype != torch.float32 or budget <= 0:
+            return self.sampling_model(snapshot)
+        merged = self._merged.pop(snapshot.snapshot_id, None)
+        if merged is None:
+            model = self.sampling_model(snapshot)  # the slot holds the snapshot's LoRA: merge it from there
+            size = merged_bytes(self.peft, self._slot_name(snapshot))
+            if size > budget:
+                return model
+            while self._merged and size + sum(m[1] for m in self._merged.values()) > budget:
+                self._merged.pop(next(iter(self._merged)))
+            merged = (MergedDecoder(self.peft, self._slot_name(snapshot)), size)
+        self._merged[snapshot.snapshot_id] = merged  # most recently used last
+        return merged[0]
+
     def sampling_model(self, snapshot: Snapshot | None) -> nn.Module:
         """The model to generate with: the base model, or a sampler slot holding the snapshot's weights.
 
@@ -270,8 +296,7 @@ class LocalModelHost:
             if self._base_only is None or self._base_only.inner is not self.peft:
                 self._base_only = _BaseOnly(self.peft)
             return self._base_only
-        layout = hashlib.sha256(repr((snapshot.spec.rank, snapshot.target_modules)).encode()).hexdigest()[:12]
-        slot = f"sampler-slot-{layout}"
+        slot = self._slot_name(snapshot)
         if self.peft is None or slot not in self.peft.peft_config:
             self._add_peft_adapter(slot, snapshot.spec, 0)
         if self._slots.get(slot) != snapshot.snapshot_id:

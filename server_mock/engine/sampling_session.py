@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+from server_mock.engine.merged_lora import MergedDecoder
 from server_mock.lora import Snapshot
 from server_mock.sampling.decode_batch import DecodeBatch
 from server_mock.sampling.generate import SampleResult, check_spec, result_of
@@ -25,12 +26,20 @@ class SamplingSession:
 
     def __init__(self, host, snapshot: Snapshot | None) -> None:
         self.host, self.snapshot = host, snapshot
-        self.load_weights_s = 0.0
-        model = self._activate()
-        self.batch = DecodeBatch(model, host.tokenizer, host.sampling_support, static=host.static_steps(model))
+        started = time.perf_counter()
+        # kept for the session's life, so every request of the batch decodes on the same model (merged or not)
+        self.model = host.decode_model(snapshot)
+        self.merged = isinstance(self.model, MergedDecoder)
+        self.load_weights_s = time.perf_counter() - started
+        self.batch = DecodeBatch(self.model, host.tokenizer, host.sampling_support,
+                                 static=host.static_steps(self.model))
         self.requests = 0  # requests added so far (the batch_requests metric)
 
     def _activate(self):
+        """The session's model, its weights back in place if other work ran since the last slice (a merged
+        decoder holds its own weights; the PEFT slot may have been reloaded with another snapshot)."""
+        if self.merged:
+            return self.model
         started = time.perf_counter()
         model = self.host.sampling_model(self.snapshot)
         self.load_weights_s += time.perf_counter() - started

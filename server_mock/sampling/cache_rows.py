@@ -66,9 +66,11 @@ class _Room:
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if not self._in_buffer():
             return self._plain.reorder_cache(self, beam_idx)
-        room = self._kbuf.shape[-2] - self.keys.shape[-2]
+        n = self.keys.shape[-2]
         idx = beam_idx.to(self.keys.device)
-        self._rebuffer(self.keys.index_select(0, idx), self.values.index_select(0, idx), room)
+        # one copy: the selected rows of the whole buffer (its free columns too) become the new buffer
+        self._kbuf, self._vbuf = self._kbuf.index_select(0, idx), self._vbuf.index_select(0, idx)
+        self.keys, self.values = self._kbuf[:, :, :n], self._vbuf[:, :, :n]
         if isinstance(self, LinearAttentionCacheLayerMixin):  # a hybrid layer: its recurrent states too
             LinearAttentionCacheLayerMixin.reorder_cache(self, beam_idx)
 
