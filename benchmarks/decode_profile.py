@@ -10,8 +10,9 @@ its own, interleaved with the others, and the medians compared:
   side paths are the difference), the projections' and the head's matmuls alone on the same shapes, and the
   attention over the cache alone; what the forward spends beyond those is norms, rotary embeddings,
   activations, residual adds and Python / dispatch overhead;
-* merging the LoRA into a copy of the weights: the per-snapshot cost of computing ``W + s B A`` for every
-  adapted layer, against the per-step saving (the side paths).
+* merging the LoRA into a copy of the weights (``engine/merged_lora.py``): the forward on the merged copy, the
+  per-snapshot cost of computing ``W + s B A`` for every adapted layer against the per-step saving, and the
+  logprob gap merged vs unmerged and of each to the trainer's forward pass (``merged_precision``).
 
     python benchmarks/decode_profile.py   (also run by benchmarks/roofline.py)
 """
@@ -86,6 +87,12 @@ def profile(host, adapter, rows_per_prompt: int = 8, prompts: int = 4, steps: in
         _rewind(part.cache, columns)
         forward(model, feed, part.cache, 1, mask, positions)
 
+    merged = host.decode_model(snapshot)
+
+    def run_forward_merged():
+        _rewind(part.cache, columns)
+        forward(merged, feed, part.cache, 1, mask, positions)
+
     def run_forward_base():
         _rewind(part.cache, columns)
         with host.peft.disable_adapter():
@@ -132,7 +139,8 @@ def profile(host, adapter, rows_per_prompt: int = 8, prompts: int = 4, steps: in
             layer.keys, layer.values, layer._kbuf, layer._vbuf = k, v, kb, vb
 
     with torch.no_grad(), EvalMode(model):
-        seconds = _median_interleaved({"forward": run_forward, "forward_without_lora": run_forward_base,
+        seconds = _median_interleaved({"forward": run_forward, "forward_merged_lora": run_forward_merged,
+                                       "forward_without_lora": run_forward_base,
                                        "matmuls": run_matmuls, "attention": run_attention,
                                        "token_choice": run_choice, "compaction_to_3/4": run_compaction}, repeats)
     ms = {k: v * 1e3 for k, v in seconds.items()}
@@ -162,6 +170,40 @@ def profile(host, adapter, rows_per_prompt: int = 8, prompts: int = 4, steps: in
                                  "lora side paths": lora_ms, "norms, rotary, activations, Python": rest_ms},
             "merge_lora_once_ms": merge_ms, "merged_copy_bytes": merged_bytes,
             "merge_pays_after_steps": merge_ms / lora_ms if lora_ms > 0 else None}
+
+
+def merged_precision(host, adapter, tokens: int = 24) -> dict:
+    """The 4 x 8 batch sampled merged and unmerged (same seeds): whether the tokens agree, the largest logprob
+    gap between the two, and each one's largest gap to the trainer's logprobs of the same tokens."""
+    import numpy as np
+
+    from server_mock.sampling.generate import SampleSpec, generate_batch
+
+    snapshot = host.snapshot(adapter)
+    specs = [SampleSpec(prompt_tokens=few_shot_prompt(host.tokenizer, q), num_samples=8, max_tokens=tokens, seed=i,
+                        stop_token_ids=[]) for i, q in enumerate(QUESTIONS)]
+    merged = generate_batch(host.decode_model(snapshot), specs, host.tokenizer)
+    unmerged = generate_batch(host.sampling_model(snapshot), specs, host.tokenizer)
+    same = all([s.tokens for s in a.sequences] == [s.tokens for s in b.sequences] for a, b in zip(merged, unmerged))
+    gap = max(abs(x - y) for a, b in zip(merged, unmerged) for s, t in zip(a.sequences, b.sequences)
+              for x, y in zip(s.logprobs, t.logprobs))
+
+    def to_trainer(results) -> float:
+        worst = 0.0
+        for spec, result in zip(specs, results):
+            data = []
+            for seq in result.sequences:
+                full = np.asarray(spec.prompt_tokens + seq.tokens, dtype=np.int64)
+                data.append({"tokens": full[:-1], "target_tokens": full[1:],
+                             "weights": np.ones(len(full) - 1, dtype=np.float32)})
+            out = host.forward_backward(adapter, data, "cross_entropy", {}, backward=False)["outputs"]
+            for seq, o in zip(result.sequences, out):
+                trainer = np.asarray(o["logprobs"])[len(spec.prompt_tokens) - 1:]
+                worst = max(worst, float(np.abs(trainer - np.asarray(seq.logprobs)).max()))
+        return worst
+
+    return {"same_tokens": same, "max_gap_merged_vs_unmerged": gap, "max_gap_to_trainer_merged": to_trainer(merged),
+            "max_gap_to_trainer_unmerged": to_trainer(unmerged)}
 
 
 if __name__ == "__main__":

@@ -140,7 +140,9 @@ def sampling(host, adapter, tokens: int, repeats: int) -> dict:
     from benchmarks.sampling_throughput import raw_generate
     from server_mock.sampling.generate import SampleSpec, generate_batch
 
-    model = host.sampling_model(host.snapshot(adapter))
+    snapshot = host.snapshot(adapter)
+    model = host.sampling_model(snapshot)
+    merged = host.decode_model(snapshot)
     tok = host.tokenizer
     prompts = [few_shot_prompt(tok, q) for q in QUESTIONS]
     out = {}
@@ -148,7 +150,7 @@ def sampling(host, adapter, tokens: int, repeats: int) -> dict:
         def specs(n=n_prompts):
             return [SampleSpec(prompt_tokens=p, num_samples=8, max_tokens=tokens, seed=i, stop_token_ids=[])
                     for i, p in enumerate(prompts[:n])]
-        cases = {"current": lambda s=specs: generate_batch(model, s(), tok),
+        cases = {"current": lambda s=specs: generate_batch(merged, s(), tok),
                  "previous_loop": lambda s=specs: baseline_generate_batch(model, s())}
         if n_prompts == 1:
             cases["raw_generate"] = lambda: raw_generate(model, prompts[0], 8, tokens)
@@ -174,18 +176,22 @@ def decode_only(host, adapter, tokens: int, repeats: int) -> dict:
     from benchmarks.decode_baseline import baseline_generate_batch
     from server_mock.sampling.generate import SampleSpec, generate_batch
 
-    model = host.sampling_model(host.snapshot(adapter))
+    snapshot = host.snapshot(adapter)
+    merged = host.decode_model(snapshot)  # the worker's default for a float32 model: the LoRA merged
+    model = host.sampling_model(snapshot)  # the PEFT slot, LoRA unmerged
     prompts = [few_shot_prompt(host.tokenizer, q) for q in QUESTIONS]
     out = {}
     for n_prompts in (1, 4):
         specs = [SampleSpec(prompt_tokens=p, num_samples=8, max_tokens=tokens, seed=i, stop_token_ids=[])
                  for i, p in enumerate(prompts[:n_prompts])]
-        runs: dict[str, list[float]] = {"current": [], "previous_loop": []}
+        cases = (("current", merged, generate_batch), ("current_unmerged", model, generate_batch),
+                 ("previous_loop", model, baseline_generate_batch))
+        runs: dict[str, list[float]] = {name: [] for name, _, _ in cases}
         for i in range(repeats + 1):  # the first round warms up
-            for name, fn in (("current", generate_batch), ("previous_loop", baseline_generate_batch)):
+            for name, m, fn in cases:
                 timings: dict[str, float] = {}
                 with torch.no_grad():
-                    fn(model, specs, timings=timings)
+                    fn(m, specs, timings=timings)
                 if i:
                     runs[name].append(timings["decode"])
         steps = tokens - 1  # the first token comes from the prefill's logits
@@ -234,11 +240,13 @@ def main(argv=None) -> dict:
     result["profile"] = decode_profile.profile(host, adapter, rows_per_prompt=8, prompts=4, steps=8,
                                                repeats=args.repeats)
     print(result["profile"], flush=True)
+    result["merged_lora_precision"] = decode_profile.merged_precision(host, adapter)
+    print(result["merged_lora_precision"], flush=True)
     if not args.quick:
         result["sampling"] = sampling(host, adapter, args.tokens, args.repeats)
         result["decode"] = decode_only(host, adapter, args.tokens, args.repeats)
         for shape in result["decode"].values():
-            for name in ("current", "previous_loop"):
+            for name in ("current", "current_unmerged", "previous_loop"):
                 shape[name]["fraction_of_f32_peak"] = shape[name]["gflops"] / peak
         if not args.skip_train:
             result["forward_backward"] = training(host, adapter, args.repeats)
