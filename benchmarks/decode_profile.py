@@ -6,10 +6,10 @@ its own, interleaved with the others, and the medians compared:
 
 * the decode loop's own phases (``DecodeBatch(profile=...)``): token choice, bookkeeping, cache compaction,
   the model forward;
-* inside the forward: the forward as the loop runs it (LoRA on), the same with the adapters disabled (the LoRA
-  side paths are the difference), the projections' and the head's matmuls alone on the same shapes, and the
-  attention over the cache alone; what the forward spends beyond those is norms, rotary embeddings,
-  activations, residual adds and Python / dispatch overhead;
+* inside the forward: the forward with the LoRA unmerged (PEFT) and merged (``engine/merged_lora.py``: the same
+  projections without the side paths, so the difference is what the side paths cost), the projections' and the
+  head's matmuls alone on the same shapes, and the attention over the cache alone; what the merged forward
+  spends beyond those is norms, rotary embeddings, activations, residual adds and Python / dispatch overhead;
 * merging the LoRA into a copy of the weights (``engine/merged_lora.py``): the forward on the merged copy, the
   per-snapshot cost of computing ``W + s B A`` for every adapted layer against the per-step saving, and the
   logprob gap merged vs unmerged and of each to the trainer's forward pass (``merged_precision``).
@@ -144,8 +144,10 @@ def profile(host, adapter, rows_per_prompt: int = 8, prompts: int = 4, steps: in
                                        "matmuls": run_matmuls, "attention": run_attention,
                                        "token_choice": run_choice, "compaction_to_3/4": run_compaction}, repeats)
     ms = {k: v * 1e3 for k, v in seconds.items()}
-    lora_ms = ms["forward"] - ms["forward_without_lora"]
-    rest_ms = ms["forward_without_lora"] - ms["matmuls"] - ms["attention"]
+    # the merged forward does the same projections minus the LoRA paths (PEFT's disabled-adapter forward is no
+    # baseline: disabling walks every module, so it is slower than the adapted forward on this model)
+    lora_ms = ms["forward"] - ms["forward_merged_lora"]
+    rest_ms = ms["forward_merged_lora"] - ms["matmuls"] - ms["attention"]
 
     # 3. merging the LoRA into a weight copy once per snapshot
     import time
@@ -167,7 +169,8 @@ def profile(host, adapter, rows_per_prompt: int = 8, prompts: int = 4, steps: in
     return {"rows": rows, "context": columns, "loop_phases_ms_per_step": per_step, "loop_step_ms": step_ms,
             "parts_ms": ms,
             "forward_split_ms": {"matmuls (projections + head)": ms["matmuls"], "attention": ms["attention"],
-                                 "lora side paths": lora_ms, "norms, rotary, activations, Python": rest_ms},
+                                 "lora side paths (unmerged)": lora_ms,
+                                 "norms, rotary, activations, Python": rest_ms},
             "merge_lora_once_ms": merge_ms, "merged_copy_bytes": merged_bytes,
             "merge_pays_after_steps": merge_ms / lora_ms if lora_ms > 0 else None}
 

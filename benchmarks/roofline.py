@@ -239,7 +239,9 @@ def main(argv=None) -> dict:
     result["arithmetic"] = {f"{rows} rows": step_arithmetic(config, rows, 190) for rows in (1, 8, 32)}
     result["profile"] = decode_profile.profile(host, adapter, rows_per_prompt=8, prompts=4, steps=8,
                                                repeats=args.repeats)
-    print(result["profile"], flush=True)
+    result["profile_8_rows"] = decode_profile.profile(host, adapter, rows_per_prompt=8, prompts=1, steps=8,
+                                                      repeats=args.repeats)
+    print(result["profile"], result["profile_8_rows"], flush=True)
     result["merged_lora_precision"] = decode_profile.merged_precision(host, adapter)
     print(result["merged_lora_precision"], flush=True)
     if not args.quick:
@@ -251,6 +253,15 @@ def main(argv=None) -> dict:
         if not args.skip_train:
             result["forward_backward"] = training(host, adapter, args.repeats)
             result["forward_backward"]["fraction_of_f32_peak"] = result["forward_backward"]["gflops"] / peak
+    # the peaks again: on a shared machine the load moves during the run; fractions use the higher measurement
+    result["peaks_at_end"] = peaks(config.hidden_size, config.intermediate_size, config.vocab_size, args.repeats)
+    peak = max(peak, result["peaks_at_end"]["float32 2048^3"]["gflops"])
+    result["f32_peak_gflops"] = peak
+    for shape in result.get("decode", {}).values():
+        for name in ("current", "current_unmerged", "previous_loop"):
+            shape[name]["fraction_of_f32_peak"] = shape[name]["gflops"] / peak
+    if "forward_backward" in result:
+        result["forward_backward"]["fraction_of_f32_peak"] = result["forward_backward"]["gflops"] / peak
     result["load_average_at_end"] = os.getloadavg()
     save("roofline", result)
     return result
