@@ -33,7 +33,9 @@ class EmbeddedWorker:
         self.log_path = Path(self._dir) / "worker.log"
         storage = os.environ.get("PYTRIO_EMBEDDED_STORAGE") or str(Path(self._dir) / "storage")
         cmd = [
-            sys.executable, "-m", "server_mock", "serve", "--lazy-models", "--host", "127.0.0.1", "--port", "0",
+            # one user's own worker, behind its own random key: it may load any model that user names
+            sys.executable, "-m", "server_mock", "serve", "--lazy-models", "--lazy-model-allow", "*",
+            "--host", "127.0.0.1", "--port", "0",
             "--port-file", str(port_file), "--storage", storage, *extra_args,
         ]
         env = {**os.environ, "PYTRIO_WORKER_API_KEYS": self.api_key}

@@ -17,6 +17,9 @@ Endpoints (all under ``/v1``):
   POST /samplers/{id}/sample                     SampleRequest -> Accepted
   GET  /requests/{request_id}?wait=SECONDS       RequestStatus (long poll)
 Errors: status 4xx/5xx with ErrorResponse.
+
+Every list and map of a request body has a structural bound (``types/bounds.py``), checked while it is parsed,
+and its validation stops at the first bad item; the worker's own limits are checked after parsing.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 # Models that are on the wire as they are in the public API: the worker takes them from here, so this
 # module is the whole of what it shares with the client.
+from .types.bounds import MAX_ITEMS, MAX_KEYS, MAX_TOKENS, bounded_dict, bounded_list  # noqa: F401
 from .types.params import AdamParams
 from .types.responses import GetServerCapabilitiesResponse, ModelOperationCapabilities, SupportedModel  # noqa: F401
 from .types.tensor import WireTensor
@@ -70,7 +74,7 @@ class RequestStatus(WireModel):
 
 class LoraSpec(WireModel):
     rank: int = 32
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # torch.manual_seed's range
     train_mlp: bool = True
     train_attn: bool = True
     train_unembed: bool = True
@@ -94,14 +98,14 @@ class TrainingRunInfo(WireModel):
 
 class WireDatum(WireModel):
     tokens: WireTensor
-    loss_fn_inputs: dict[str, WireTensor]
+    loss_fn_inputs: bounded_dict(WireTensor, MAX_KEYS)
 
 
 class ForwardOp(WireModel):
     op: Literal["forward", "forward_backward"]
     loss_fn: str = "cross_entropy"
-    loss_fn_config: dict[str, Any] = {}
-    data: list[WireDatum]
+    loss_fn_config: bounded_dict(Any, MAX_KEYS) = {}
+    data: bounded_list(WireDatum, MAX_ITEMS)
 
 
 class OptimStepOp(WireModel):
@@ -116,6 +120,8 @@ class SaveOp(WireModel):
     overwrite: bool = False
     # A sampler snapshot kept only in memory (no file) for save_weights_and_get_sampling_client.
     ephemeral: bool = False
+    # Labels kept with the checkpoint (Tinker's save_state / save_weights_for_sampler user_metadata).
+    user_metadata: dict[str, str] | None = None
 
 
 class LoadOp(WireModel):
@@ -186,12 +192,12 @@ class WireSamplingParams(WireModel):
     top_k: int = -1
     top_p: float = 1.0
     seed: int | None = None
-    stop: list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop: bounded_list(str, MAX_ITEMS) | None = None
+    stop_token_ids: bounded_list(int, MAX_ITEMS) | None = None
 
 
 class SampleRequest(WireModel):
-    prompt_tokens: list[int]
+    prompt_tokens: bounded_list(int, MAX_TOKENS)
     num_samples: int = 1
     sampling_params: WireSamplingParams
     include_prompt_logprobs: bool = False

@@ -8,29 +8,34 @@ datums, and run one forward_backward + optim_step.
     python recipes/01-demo-sync.py --steps 10 --batch-size 4 --group-size 8 --max-tokens 512 \\
         --data-file ../shared/data/gsm8k --eval-every 5 --swanlab-mode local
 
-Tiny models on CPU: `--dataset arithmetic` (2-digit additions) is the task they can learn.
+Tiny models on CPU: `--dataset arithmetic` (2-digit additions) is the task they can learn. `--dataset countdown`
+(reach a target from 3-4 numbers with + - * /, as in TinyZero) is scored by recipes/countdown.py.
+The GRPO variants (`--advantage std`, `--loss-agg`, `--kl-coef`, `--clip-high`, `--dynamic-sampling`):
+recipes/grpo_variants.py.
 """
 
 import time
 
 from grpo_lib import (
-    FEWSHOT,
+    EVAL_GRADERS,
+    PROMPTS,
     MetricsLogger,
+    StepBatch,
     StepStats,
     batch_rows,
     build_arg_parser,
-    build_datum,
-    completion_text,
+    countdown_parts,
+    countdown_reward,
     eval_data_file,
     evaluate,
+    extra_rows,
     grade,
-    group_advantages,
-    is_degenerate,
     load_rows,
     loss_fn_config,
     make_custom_cispo_loss,
     make_service_client,
     num_steps,
+    ppo_bounds,
     render_prompt,
     resolve_log_dir,
     sample_seed,
@@ -61,7 +66,11 @@ def main(argv=None):
     )
     tokenizer = training_client.get_tokenizer()
     stop = stop_sequences(tokenizer)
-    fewshot = FEWSHOT[args.dataset]  # the strawberry example for gsm8k, worked additions for arithmetic
+    fewshot, suffix = PROMPTS[args.dataset]  # the few-shot turns before each question, the answer format after it
+    # Reward: the boxed number against the answer's; countdown checks the boxed expression exactly and gives 0.1
+    # when it is well-formed but wrong. Evaluation counts right answers only.
+    reward = countdown_reward if args.dataset == "countdown" else grade
+    eval_grader = EVAL_GRADERS[args.dataset]
     adam_params = trio.AdamParams(learning_rate=args.learning_rate, beta1=args.beta1, beta2=args.beta2,
                                   eps=args.adam_eps)
     config = {**vars(args), "script": "sync", "num_steps": total_steps, "train_rows": len(train_rows)}
@@ -78,28 +87,32 @@ def main(argv=None):
         metrics_extra = {}
         if should_eval(args, step):
             with stats.timer("time/eval"):
-                metrics_extra["eval/accuracy"] = evaluate(sampler, tokenizer, eval_rows, args.max_tokens, fewshot)
+                metrics_extra["eval/accuracy"] = evaluate(sampler, tokenizer, eval_rows, args.max_tokens, fewshot,
+                                                          suffix, eval_grader)
 
         # 2. Rollouts: group_size completions per prompt, one prompt after the other.
-        prompts = [render_prompt(tokenizer, row["question"], fewshot) for row in rows]
-        results = []
-        with stats.timer("time/sample"):
-            for i, prompt in enumerate(tqdm(prompts, desc=f"step {step}", unit="prompt", leave=False)):
-                params = trio.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                                             top_p=args.top_p, stop=stop, seed=sample_seed(args.seed, step, i))
-                results.append(sampler.sample(prompt=trio.ModelInput.from_ints(prompt),
-                                              num_samples=args.group_size, sampling_params=params).result())
+        def rollouts(rows, first, sampler=sampler, step=step, stats=stats):
+            prompts = [render_prompt(tokenizer, row["question"], fewshot, suffix) for row in rows]
+            results = []
+            with stats.timer("time/sample"):
+                for i, prompt in enumerate(tqdm(prompts, desc=f"step {step}", unit="prompt", leave=False)):
+                    params = trio.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                                 top_p=args.top_p, stop=stop,
+                                                 seed=sample_seed(args.seed, step, first + i))
+                    results.append(sampler.sample(prompt=trio.ModelInput.from_ints(prompt),
+                                                  num_samples=args.group_size, sampling_params=params).result())
+            return list(zip(prompts, rows, results))
 
-        # 3. Rewards -> group-relative advantages -> datums (groups with equal rewards teach nothing).
-        datums = []
-        for prompt, row, result in zip(prompts, rows, results):
-            rewards = [grade(completion_text(tokenizer, seq), row["answer"]) for seq in result.sequences]
-            stats.add_group(rewards, result.sequences, result.metrics)
-            if is_degenerate(rewards):
-                continue
-            for seq, advantage in zip(result.sequences, group_advantages(rewards)):
-                if seq.tokens:
-                    datums.append(build_datum(prompt, seq.tokens, seq.logprobs, advantage))
+        # 3. Rewards -> group-relative advantages -> datums (groups with equal rewards teach nothing). With
+        # --dynamic-sampling, more prompts until batch-size groups have rewards that differ (grpo_variants.py).
+        batch = StepBatch(args, reward, tokenizer, stats, countdown_parts if args.dataset == "countdown" else None)
+        batch.add(rollouts(rows, 0))
+        while missing := batch.missing():
+            batch.rounds += 1
+            more = extra_rows(train_rows, args.seed, step, batch.rounds, missing)
+            batch.add(rollouts(more, batch.rounds * args.batch_size))
+        datums = batch.datums()
+        metrics_extra.update(batch.metrics())
         if step == 0:
             first_step_datums = datums
 
@@ -120,12 +133,13 @@ def main(argv=None):
                 optim_output = op.result()
 
         bounds = (args.cispo_clip_low, args.cispo_clip_high) if args.loss_fn == "cispo" else None
-        logger.log({**stats.metrics(datums, fb_output, optim_output, bounds), **metrics_extra}, step=step)
+        logger.log({**stats.metrics(datums, fb_output, optim_output, bounds, ppo_bounds(args)), **metrics_extra},
+                   step=step)
 
     final_accuracy = None
     if args.eval_every > 0:
         sampler = training_client.save_weights_and_get_sampling_client()
-        final_accuracy = evaluate(sampler, tokenizer, eval_rows, args.max_tokens, fewshot)
+        final_accuracy = evaluate(sampler, tokenizer, eval_rows, args.max_tokens, fewshot, suffix, eval_grader)
         logger.log({"eval/accuracy": final_accuracy}, step=total_steps)
 
     final_path = training_client.save_weights_for_sampler(name="final").result().path

@@ -9,30 +9,33 @@ submit, once for the result).
     python recipes/02-demo-async.py --steps 10 --batch-size 4 --group-size 8 --max-tokens 512 \\
         --data-file ../shared/data/gsm8k --eval-every 5 --swanlab-mode local
 
-With the same --seed, step 0 builds exactly the datums of the sync demo.
+With the same --seed, step 0 builds exactly the datums of the sync demo. The GRPO variants (`--advantage std`,
+`--loss-agg`, `--kl-coef`, `--clip-high`, `--dynamic-sampling`): recipes/grpo_variants.py.
 """
 
 import asyncio
 import time
 
 from grpo_lib import (
-    FEWSHOT,
+    EVAL_GRADERS,
+    PROMPTS,
     MetricsLogger,
+    StepBatch,
     StepStats,
     batch_rows,
     build_arg_parser,
-    build_datum,
-    completion_text,
+    countdown_parts,
+    countdown_reward,
     eval_data_file,
     evaluate_async,
+    extra_rows,
     grade,
-    group_advantages,
-    is_degenerate,
     load_rows,
     loss_fn_config,
     make_custom_cispo_loss,
     make_service_client,
     num_steps,
+    ppo_bounds,
     render_prompt,
     resolve_log_dir,
     sample_seed,
@@ -62,7 +65,11 @@ async def run(args):
     )
     tokenizer = training_client.get_tokenizer()
     stop = stop_sequences(tokenizer)
-    fewshot = FEWSHOT[args.dataset]  # the strawberry example for gsm8k, worked additions for arithmetic
+    fewshot, suffix = PROMPTS[args.dataset]  # the few-shot turns before each question, the answer format after it
+    # Reward: the boxed number against the answer's; countdown checks the boxed expression exactly and gives 0.1
+    # when it is well-formed but wrong. Evaluation counts right answers only.
+    reward = countdown_reward if args.dataset == "countdown" else grade
+    eval_grader = EVAL_GRADERS[args.dataset]
     adam_params = trio.AdamParams(learning_rate=args.learning_rate, beta1=args.beta1, beta2=args.beta2,
                                   eps=args.adam_eps)
     config = {**vars(args), "script": "async", "num_steps": total_steps, "train_rows": len(train_rows)}
@@ -88,29 +95,31 @@ async def run(args):
         if should_eval(args, step):
             with stats.timer("time/eval"):
                 metrics_extra["eval/accuracy"] = await evaluate_async(
-                    sampler, tokenizer, eval_rows, args.max_tokens, fewshot
+                    sampler, tokenizer, eval_rows, args.max_tokens, fewshot, suffix, eval_grader
                 )
 
         # 2. Rollouts: every prompt's group in flight at once; the bar advances as each group finishes.
-        prompts = [render_prompt(tokenizer, row["question"], fewshot) for row in rows]
-        bar = tqdm(total=len(prompts), desc=f"step {step}", unit="prompt", leave=False)
-        with stats.timer("time/sample"):
-            results = await asyncio.gather(*(
-                sample_group(sampler, prompt, sample_seed(args.seed, step, i), bar)
-                for i, prompt in enumerate(prompts)
-            ))
-        bar.close()
+        async def rollouts(rows, first, sampler=sampler, step=step, stats=stats):
+            prompts = [render_prompt(tokenizer, row["question"], fewshot, suffix) for row in rows]
+            bar = tqdm(total=len(prompts), desc=f"step {step}", unit="prompt", leave=False)
+            with stats.timer("time/sample"):
+                results = await asyncio.gather(*(
+                    sample_group(sampler, prompt, sample_seed(args.seed, step, first + i), bar)
+                    for i, prompt in enumerate(prompts)
+                ))
+            bar.close()
+            return list(zip(prompts, rows, results))
 
-        # 3. Rewards -> group-relative advantages -> datums (groups with equal rewards teach nothing).
-        datums = []
-        for prompt, row, result in zip(prompts, rows, results):
-            rewards = [grade(completion_text(tokenizer, seq), row["answer"]) for seq in result.sequences]
-            stats.add_group(rewards, result.sequences, result.metrics)
-            if is_degenerate(rewards):
-                continue
-            for seq, advantage in zip(result.sequences, group_advantages(rewards)):
-                if seq.tokens:
-                    datums.append(build_datum(prompt, seq.tokens, seq.logprobs, advantage))
+        # 3. Rewards -> group-relative advantages -> datums (groups with equal rewards teach nothing). With
+        # --dynamic-sampling, more prompts until batch-size groups have rewards that differ (grpo_variants.py).
+        batch = StepBatch(args, reward, tokenizer, stats, countdown_parts if args.dataset == "countdown" else None)
+        batch.add(await rollouts(rows, 0))
+        while missing := batch.missing():
+            batch.rounds += 1
+            more = extra_rows(train_rows, args.seed, step, batch.rounds, missing)
+            batch.add(await rollouts(more, batch.rounds * args.batch_size))
+        datums = batch.datums()
+        metrics_extra.update(batch.metrics())
         if step == 0:
             first_step_datums = datums
 
@@ -131,12 +140,14 @@ async def run(args):
                 optim_output = await op
 
         bounds = (args.cispo_clip_low, args.cispo_clip_high) if args.loss_fn == "cispo" else None
-        logger.log({**stats.metrics(datums, fb_output, optim_output, bounds), **metrics_extra}, step=step)
+        logger.log({**stats.metrics(datums, fb_output, optim_output, bounds, ppo_bounds(args)), **metrics_extra},
+                   step=step)
 
     final_accuracy = None
     if args.eval_every > 0:
         sampler = await training_client.save_weights_and_get_sampling_client_async()
-        final_accuracy = await evaluate_async(sampler, tokenizer, eval_rows, args.max_tokens, fewshot)
+        final_accuracy = await evaluate_async(sampler, tokenizer, eval_rows, args.max_tokens, fewshot, suffix,
+                                              eval_grader)
         logger.log({"eval/accuracy": final_accuracy}, step=total_steps)
 
     final_path = (await (await training_client.save_weights_for_sampler_async(name="final"))).path

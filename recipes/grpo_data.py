@@ -1,4 +1,5 @@
-"""Data: GSM8K from a local file or the hub, generated two-digit additions, shuffling and batching."""
+"""Data: GSM8K from a local file or the hub, generated two-digit additions and Countdown problems, shuffling
+and batching."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import zlib
 from collections.abc import Sequence
 from pathlib import Path
 
+from countdown import countdown_rows
 from grpo_options import DATASETS
 
 HUB_HINT = (
@@ -24,17 +26,20 @@ class DataUnavailableError(RuntimeError):
 
 def load_rows(
     dataset: str, split: str, data_file: str | os.PathLike | None = None, seed: int = 0, n: int | None = None
-) -> list[dict[str, str]]:
+) -> list[dict]:
     """Rows `{"question", "answer"}` (GSM8K format) of one split, at most `n` of them.
 
     gsm8k: from `data_file` (a .jsonl/.parquet file, or a folder with `<split>.jsonl` / `<split>.parquet` /
     `<split>-*.parquet`) when given, else `datasets.load_dataset("openai/gsm8k", "main", split=split)`;
-    rows keep the file order. arithmetic: generated 2-digit additions, ordered by `seed`.
+    rows keep the file order. arithmetic: generated 2-digit additions, ordered by `seed`. countdown: generated
+    problems drawn by `seed` (`countdown.countdown_rows`; the rows also hold `numbers` and `target`).
     """
+    if dataset in ("arithmetic", "countdown") and data_file is not None:
+        raise ValueError("--data-file is only used with --dataset gsm8k")
     if dataset == "arithmetic":
-        if data_file is not None:
-            raise ValueError("--data-file is only used with --dataset gsm8k")
         rows = arithmetic_rows(split, seed)
+    elif dataset == "countdown":
+        return countdown_rows(split, seed, n)  # generated one by one: only the first n
     elif dataset == "gsm8k":
         rows = _read_rows(_split_file(Path(data_file), split)) if data_file else _load_hub_gsm8k(split)
     else:
@@ -44,7 +49,7 @@ def load_rows(
 
 def eval_data_file(args: argparse.Namespace) -> str | None:
     """The file (or folder) that holds the test split: `--test-file`, else the `--data-file` folder, else
-    a sibling of a `--data-file` named with "test" for "train". None means the hub (or arithmetic)."""
+    a sibling of a `--data-file` named with "test" for "train". None means the hub (or a generated dataset)."""
     if args.test_file or args.dataset != "gsm8k" or not args.data_file:
         return args.test_file
     data = Path(args.data_file)

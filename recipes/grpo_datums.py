@@ -25,6 +25,7 @@ def build_datum(
     completion_tokens: Sequence[int],
     completion_logprobs: Sequence[float],
     advantage: float,
+    weight: float | None = None,
 ) -> trio.Datum:
     """One training example for a policy loss (length P+C-1, position t predicts token t+1).
 
@@ -32,6 +33,7 @@ def build_datum(
     target_tokens = [0]*(P-1)   + completion
     logprobs      = [0.0]*(P-1) + sampler logprobs of the completion
     advantages    = [0.0]*(P-1) + [A]*C
+    weights       = [0.0]*(P-1) + [weight]*C   (only when `weight` is given: grpo_variants.py)
     """
     prompt, completion = [int(t) for t in prompt_tokens], [int(t) for t in completion_tokens]
     if not prompt or not completion:
@@ -39,14 +41,14 @@ def build_datum(
     if len(completion_logprobs) != len(completion):
         raise ValueError(f"{len(completion)} completion tokens but {len(completion_logprobs)} logprobs")
     pad = len(prompt) - 1
-    return trio.Datum(
-        model_input=trio.ModelInput.from_ints(prompt + completion[:-1]),
-        loss_fn_inputs={
-            "target_tokens": [0] * pad + completion,
-            "logprobs": [0.0] * pad + [float(x) for x in completion_logprobs],
-            "advantages": [0.0] * pad + [float(advantage)] * len(completion),
-        },
-    )
+    inputs = {
+        "target_tokens": [0] * pad + completion,
+        "logprobs": [0.0] * pad + [float(x) for x in completion_logprobs],
+        "advantages": [0.0] * pad + [float(advantage)] * len(completion),
+    }
+    if weight is not None:
+        inputs["weights"] = [0.0] * pad + [float(weight)] * len(completion)
+    return trio.Datum(model_input=trio.ModelInput.from_ints(prompt + completion[:-1]), loss_fn_inputs=inputs)
 
 
 def count_train_tokens(datums: Sequence[trio.Datum]) -> int:
@@ -89,6 +91,37 @@ def ratio_clip_fraction(datums: Sequence[trio.Datum], fb_output: Any, low: float
                 outside += int(ratio < low or ratio > high)
                 count += 1
     return outside / count if count else None
+
+
+def ppo_clip_fraction(datums: Sequence[trio.Datum], fb_output: Any, low: float, high: float) -> float | None:
+    """Share of trained positions (advantage != 0) where ppo's clipped branch binds: r > high with A > 0, or
+    r < low with A < 0 (TRL's clip_ratio/region_mean), from the learner logprobs of `fb_output`."""
+    clipped, count = 0, 0
+    outputs = getattr(fb_output, "loss_fn_outputs", None) or []
+    for datum, out in zip(datums, outputs):
+        if "logprobs" not in out:
+            return None
+        sampler = datum.loss_fn_inputs["logprobs"].data
+        for q, lp, a in zip(sampler, out["logprobs"].data, datum.loss_fn_inputs["advantages"].data):
+            if a != 0.0:
+                ratio = math.exp(float(lp) - float(q))
+                clipped += int((ratio > high and a > 0) or (ratio < low and a < 0))
+                count += 1
+    return clipped / count if count else None
+
+
+def logprob_gap_max(datums: Sequence[trio.Datum], fb_output: Any) -> float | None:
+    """Largest |sampler logprob - learner logprob| over trained positions (advantage != 0); None without any."""
+    gap = None
+    outputs = getattr(fb_output, "loss_fn_outputs", None) or []
+    for datum, out in zip(datums, outputs):
+        if "logprobs" not in out:
+            return None
+        sampler = datum.loss_fn_inputs["logprobs"].data
+        for q, lp, a in zip(sampler, out["logprobs"].data, datum.loss_fn_inputs["advantages"].data):
+            if a != 0.0:
+                gap = max(gap or 0.0, abs(float(q) - float(lp)))
+    return gap
 
 
 def make_custom_cispo_loss(clip_low: float = 0.0, clip_high: float = 4.0) -> Callable:

@@ -11,7 +11,16 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from grpo_datums import count_train_tokens, is_degenerate, kl_sample_train, ratio_clip_fraction
+import statistics
+
+from grpo_datums import (
+    count_train_tokens,
+    is_degenerate,
+    kl_sample_train,
+    logprob_gap_max,
+    ppo_clip_fraction,
+    ratio_clip_fraction,
+)
 from grpo_options import SWANLAB_MODES
 
 import pytrio_compat as trio
@@ -27,6 +36,8 @@ class StepStats:
         self.n_truncated = 0
         self.n_groups = 0
         self.n_degenerate = 0
+        self.group_stds: list[float] = []
+        self.scores: list[Any] = []  # countdown: each completion's CountdownScore (format_ok, correct)
         self.times: dict[str, float] = {}
 
     @contextmanager
@@ -39,9 +50,10 @@ class StepStats:
             self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
 
     def add_group(self, rewards: Sequence[float], sequences: Sequence[Any],
-                  worker_metrics: dict[str, float] | None = None) -> None:
+                  worker_metrics: dict[str, float] | None = None, scores: Sequence[Any] | None = None) -> None:
         """Record one prompt's rewards, its sampled sequences (`tokens`, `stop_reason`) and the worker's
-        timings for the request (a batch's time is shared by the requests decoded in it)."""
+        timings for the request (a batch's time is shared by the requests decoded in it); `scores`: the reward's
+        parts per completion (objects with `format_ok` and `correct`)."""
         metrics = worker_metrics or {}
         share = 1.0 / max(1.0, float(metrics.get("batch_requests", 1.0)))
         for key, name in (("time/queue", "worker/queue"), ("time/prefill", "worker/prefill"),
@@ -53,22 +65,34 @@ class StepStats:
         self.n_truncated += sum(1 for s in sequences if getattr(s, "stop_reason", None) == "length")
         self.n_groups += 1
         self.n_degenerate += int(is_degenerate(rewards))
+        self.group_stds.append(statistics.stdev(rewards) if len(rewards) > 1 else 0.0)
+        self.scores.extend(scores or [])
 
     def metrics(
         self, datums: Sequence[trio.Datum], fb_output: Any = None, optim_output: Any = None,
-        cispo_bounds: tuple[float, float] | None = None,
+        cispo_bounds: tuple[float, float] | None = None, ppo_bounds: tuple[float, float] | None = None,
     ) -> dict[str, float]:
-        """reward, frac_degenerate, rollout/*, datums, train_tokens, loss_mean, kl_sample_train, time/*; with
-        `cispo_bounds` also cispo/clip_fraction (computed here when the loss did not report it)."""
+        """reward, reward/std (mean of the groups' sample std), frac_degenerate (= frac_reward_zero_std),
+        rollout/*, datums, train_tokens, loss_mean, kl_sample_train and logprob_gap/max (sampler vs trainer),
+        time/*; with the worker's kl / entropy means `kl` / `entropy`; with countdown scores reward/format and
+        reward/correct; with `cispo_bounds` cispo/clip_fraction (computed here when the loss did not report it)
+        and clip_frac; with `ppo_bounds` clip_frac (where ppo's clip binds)."""
         n = len(self.gen_lens)
+        frac_zero_std = self.n_degenerate / self.n_groups if self.n_groups else 0.0
         out: dict[str, float] = {
             "reward": sum(self.rewards) / len(self.rewards) if self.rewards else 0.0,
-            "frac_degenerate": self.n_degenerate / self.n_groups if self.n_groups else 0.0,
+            "reward/std": sum(self.group_stds) / len(self.group_stds) if self.group_stds else 0.0,
+            "frac_degenerate": frac_zero_std,
+            "frac_reward_zero_std": frac_zero_std,
             "rollout/avg_gen_len": sum(self.gen_lens) / n if n else 0.0,
+            "rollout/max_gen_len": float(max(self.gen_lens)) if n else 0.0,
             "rollout/frac_truncated": self.n_truncated / n if n else 0.0,
             "datums": float(len(datums)),
             "train_tokens": float(count_train_tokens(datums)),
         }
+        if self.scores:
+            out["reward/format"] = sum(float(s.format_ok) for s in self.scores) / len(self.scores)
+            out["reward/correct"] = sum(float(s.correct) for s in self.scores) / len(self.scores)
         if fb_output is not None:
             fb_metrics = dict(getattr(fb_output, "metrics", {}) or {})
             if "loss_mean" in fb_metrics:
@@ -78,9 +102,21 @@ class StepStats:
                 clipped = ratio_clip_fraction(datums, fb_output, *cispo_bounds)
                 if clipped is not None:
                     out["cispo/clip_fraction"] = clipped
+            if cispo_bounds is not None and "cispo/clip_fraction" in out:
+                out["clip_frac"] = out["cispo/clip_fraction"]
+            if ppo_bounds is not None:
+                clipped = ppo_clip_fraction(datums, fb_output, *ppo_bounds)
+                if clipped is not None:
+                    out["clip_frac"] = clipped
             kl = kl_sample_train(datums, fb_output)
             if kl is not None:
                 out["kl_sample_train"] = kl
+            gap = logprob_gap_max(datums, fb_output)
+            if gap is not None:
+                out["logprob_gap/max"] = gap
+            for key, name in (("kl_mean", "kl"), ("kl_sum", "kl/sum"), ("entropy_mean", "entropy")):
+                if key in fb_metrics:
+                    out[name] = float(fb_metrics[key])
         for output, name in ((fb_output, "worker/forward_backward"), (optim_output, "worker/optim")):
             worker = dict(getattr(output, "metrics", {}) or {}) if output is not None else {}
             if "time/run" in worker:
@@ -109,7 +145,8 @@ class StepStats:
 _SUMMARY_KEYS = (
     ("reward", "reward {:.3f}"), ("frac_degenerate", "degenerate {:.0%}"), ("datums", "datums {:.0f}"),
     ("train_tokens", "train_tokens {:.0f}"), ("rollout/avg_gen_len", "gen_len {:.1f}"),
-    ("loss_mean", "loss_mean {:.4f}"), ("kl_sample_train", "kl {:+.2e}"), ("eval/accuracy", "eval_acc {:.3f}"),
+    ("loss_mean", "loss_mean {:.4f}"), ("kl_sample_train", "kl {:+.2e}"), ("kl", "kl_ref {:.2e}"),
+    ("entropy", "entropy {:.3f}"), ("eval/accuracy", "eval_acc {:.3f}"),
     ("time/step", "{:.1f}s"),
 )
 PLOTTED = ("reward", "loss_mean", "kl_sample_train", "eval/accuracy")

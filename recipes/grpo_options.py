@@ -10,14 +10,17 @@ from pathlib import Path
 from typing import Any
 
 import pytrio_compat as trio
+from grpo_variants import add_variant_options, check_variant_options, policy_config
 
 LOSS_FNS = ("importance_sampling", "ppo", "cispo")
 SWANLAB_MODES = ("online", "local", "offline", "disabled")
-DATASETS = ("gsm8k", "arithmetic")
+DATASETS = ("gsm8k", "arithmetic", "countdown")
 
 
 # Defaults that depend on --dataset. gsm8k: the upstream PyTRIO GSM8K demos. arithmetic: the CPU demo of
 # scripts/demo.sh, chosen from the measurements in docs/benchmarks.md ("Learning: recipe vs plain loop").
+# countdown: the arithmetic settings with room for a worked answer and its boxed expression (the few-shot
+# answers are 32 and 50 SmolLM2 tokens); not tuned, and not shown to learn (TinyZero trained a 3B model on it).
 DATASET_DEFAULTS: dict[str, dict[str, Any]] = {
     "gsm8k": {"base_model": "Qwen/Qwen3.5-4B", "lora_rank": 32, "train_unembed": True, "steps": 10,
               "group_size": 4, "max_tokens": 1024, "learning_rate": 4e-5, "beta2": 0.95, "adam_eps": 1e-12,
@@ -25,6 +28,9 @@ DATASET_DEFAULTS: dict[str, dict[str, Any]] = {
     "arithmetic": {"base_model": "HuggingFaceTB/SmolLM2-135M-Instruct", "lora_rank": 16, "train_unembed": True,
                    "steps": 20, "group_size": 8, "max_tokens": 40, "learning_rate": 2e-4, "beta2": 0.95,
                    "adam_eps": 1e-12, "eval_every": 10, "eval_size": 200},
+    "countdown": {"base_model": "HuggingFaceTB/SmolLM2-135M-Instruct", "lora_rank": 16, "train_unembed": True,
+                  "steps": 20, "group_size": 8, "max_tokens": 96, "learning_rate": 2e-4, "beta2": 0.95,
+                  "adam_eps": 1e-12, "eval_every": 10, "eval_size": 100},
 }
 
 
@@ -36,12 +42,13 @@ class RecipeArgParser(argparse.ArgumentParser):
         for key, value in DATASET_DEFAULTS[parsed.dataset].items():
             if getattr(parsed, key, None) is None:
                 setattr(parsed, key, value)
+        if hasattr(parsed, "loss_agg"):
+            check_variant_options(self, parsed)
         return parsed, extras
 
 
 def _default_help(key: str) -> str:
-    g, a = DATASET_DEFAULTS["gsm8k"][key], DATASET_DEFAULTS["arithmetic"][key]
-    return f"default {g} (gsm8k) / {a} (arithmetic)"
+    return "default " + " / ".join(f"{values[key]} ({name})" for name, values in DATASET_DEFAULTS.items())
 
 
 def build_arg_parser(description: str) -> argparse.ArgumentParser:
@@ -83,7 +90,8 @@ def build_arg_parser(description: str) -> argparse.ArgumentParser:
                    help="service URL (default: PYTRIO_BASE_URL; with none set, a local worker is started)")
     p.add_argument("--api-key", default=None, help="API key (default: PYTRIO_API_KEY)")
     p.add_argument("--dataset", choices=DATASETS, default="gsm8k",
-                   help="gsm8k, or arithmetic (generated 2-digit additions, learnable by tiny models)")
+                   help="gsm8k, arithmetic (generated 2-digit additions, learnable by tiny models), or countdown "
+                        "(reach a target from 3-4 numbers with + - * /: recipes/countdown.py)")
     p.add_argument("--data-file", default=None,
                    help="local GSM8K data: a .jsonl/.parquet file with question/answer columns, or a folder "
                         "holding train/test files (e.g. ../shared/data/gsm8k); default: the HF hub")
@@ -96,6 +104,7 @@ def build_arg_parser(description: str) -> argparse.ArgumentParser:
                         f"{_default_help('eval_every')}")
     p.add_argument("--eval-size", type=int, default=None,
                    help=f"number of test questions per evaluation; {_default_help('eval_size')}")
+    add_variant_options(p)  # --advantage, --loss-agg, --kl-coef, --dynamic-sampling, ...: grpo_variants.py
     return p
 
 
@@ -129,7 +138,18 @@ def make_service_client(args: argparse.Namespace) -> Any:
 
 
 def loss_fn_config(args: argparse.Namespace) -> dict[str, float] | None:
-    """The `loss_fn_config` of the built-in loss: CISPO's ratio bounds, nothing for the others."""
+    """The `loss_fn_config` of the built-in loss: CISPO's ratio bounds, and the variants' keys when their flags
+    are given (ppo's bounds, the KL, the entropy: grpo_variants.policy_config); None when there is nothing."""
+    config: dict = {}
     if args.loss_fn == "cispo":
-        return {"clip_low_threshold": args.cispo_clip_low, "clip_high_threshold": args.cispo_clip_high}
-    return None
+        config = {"clip_low_threshold": args.cispo_clip_low, "clip_high_threshold": args.cispo_clip_high}
+    if hasattr(args, "loss_agg"):
+        config.update(policy_config(args))
+    return config or None
+
+
+def ppo_bounds(args: argparse.Namespace) -> tuple[float, float] | None:
+    """ppo's ratio bounds as the worker applies them (its defaults 0.8 / 1.2 unless given); None for other losses."""
+    if args.loss_fn != "ppo":
+        return None
+    return (0.8 if args.clip_low is None else args.clip_low, 1.2 if args.clip_high is None else args.clip_high)

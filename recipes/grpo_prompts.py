@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
+
+from countdown import COUNTDOWN_FEWSHOT_PREFIX, COUNTDOWN_SUFFIX
 
 QUESTION_SUFFIX = " Provide a numerical answer without units, written inside \\boxed{}."
 FEWSHOT_PREFIX: list[dict[str, str]] = [
@@ -30,18 +32,37 @@ ARITHMETIC_FEWSHOT_PREFIX: list[dict[str, str]] = [
     {"role": "user", "content": "What is 58 + 37?" + QUESTION_SUFFIX},
     {"role": "assistant", "content": "58 + 37 = 95. \\boxed{95}"},
 ]
-FEWSHOT = {"gsm8k": FEWSHOT_PREFIX, "arithmetic": ARITHMETIC_FEWSHOT_PREFIX}
+FEWSHOT = {"gsm8k": FEWSHOT_PREFIX, "arithmetic": ARITHMETIC_FEWSHOT_PREFIX}  # the boxed-number datasets
 
 
-def build_messages(question: str, fewshot: Sequence[dict] = FEWSHOT_PREFIX) -> list[dict[str, str]]:
+class Prompting(NamedTuple):
+    """What surrounds a dataset's question: the few-shot turns before it, the answer-format suffix after it."""
+
+    fewshot: list[dict[str, str]]
+    suffix: str
+
+
+# countdown asks for a boxed expression instead of a number (recipes/countdown.py).
+PROMPTS: dict[str, Prompting] = {
+    **{name: Prompting(turns, QUESTION_SUFFIX) for name, turns in FEWSHOT.items()},
+    "countdown": Prompting(COUNTDOWN_FEWSHOT_PREFIX, COUNTDOWN_SUFFIX),
+}
+
+
+def build_messages(
+    question: str, fewshot: Sequence[dict] = FEWSHOT_PREFIX, suffix: str = QUESTION_SUFFIX
+) -> list[dict[str, str]]:
     """The few-shot prefix followed by the question and the answer-format suffix."""
-    return [*fewshot, {"role": "user", "content": question + QUESTION_SUFFIX}]
+    return [*fewshot, {"role": "user", "content": question + suffix}]
 
 
-def render_prompt(tokenizer: Any, question: str, fewshot: Sequence[dict] = FEWSHOT_PREFIX) -> list[int]:
+def render_prompt(
+    tokenizer: Any, question: str, fewshot: Sequence[dict] = FEWSHOT_PREFIX, suffix: str = QUESTION_SUFFIX
+) -> list[int]:
     """Prompt tokens from the tokenizer's own chat template (generation prompt on, thinking off)."""
     text = tokenizer.apply_chat_template(
-        build_messages(question, fewshot), tokenize=False, add_generation_prompt=True, enable_thinking=False
+        build_messages(question, fewshot, suffix), tokenize=False, add_generation_prompt=True,
+        enable_thinking=False,
     )
     tokens = tokenizer.encode(text, add_special_tokens=False)
     if not tokens:

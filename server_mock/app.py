@@ -1,6 +1,7 @@
-"""The worker's HTTP app: the three protocols' routes, shared state, the browser guard and the background sweeper.
+"""The worker's HTTP app: the four protocols' routes, shared state, the browser guard and the background sweepers.
 
-Each protocol is a package under server_mock/api/: native (/v1), tinker (/api/v1) and openai (/api/openai/v1),
+Each protocol is a package under server_mock/api/: native (/v1), tinker (/api/v1), openai (/api/openai/v1) and
+pytrio (/api/openapi/v1, /api/models, /api/sdk, /api/telemetry and /pytrio-actor/v1, for the official pytrio SDK),
 all over the one ``WorkerService``. Another route list is mounted by passing it as ``extra_routes``.
 """
 
@@ -15,26 +16,33 @@ from starlette.middleware import Middleware
 from starlette.routing import BaseRoute
 
 from server_mock.api.auth import Auth
+from server_mock.api.bodies import ParseBudget
 from server_mock.api.browser_safety import BrowserGuard, HostPolicy
 from server_mock.api.native import native_routes
 from server_mock.api.native.endpoint import Idempotency
 from server_mock.api.openai.router import openai_routes
+from server_mock.api.pytrio import PytrioProtocol
 from server_mock.api.tinker.router import tinker_routes
+from server_mock.config import PytrioOptions
 from server_mock.service.worker import WorkerService
 
 
 def create_app(service: WorkerService, api_keys: list[str] | None = None, *, bind_host: str = "127.0.0.1",
-               allowed_hosts: Iterable[str] = (), extra_routes: Iterable[BaseRoute] = ()) -> Starlette:
+               allowed_hosts: Iterable[str] = (), extra_routes: Iterable[BaseRoute] = (),
+               pytrio_options: PytrioOptions | None = None) -> Starlette:
     auth = Auth(api_keys or [])
-    routes = [*native_routes(), *extra_routes, *tinker_routes(service, auth), *openai_routes(service, auth)]
+    pytrio = PytrioProtocol(service, auth, pytrio_options)
+    routes = [*native_routes(), *extra_routes, *tinker_routes(service, auth), *openai_routes(service, auth),
+              *pytrio.routes()]
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
-        task = asyncio.create_task(_sweep(service))
+        tasks = [asyncio.create_task(_sweep(service)), asyncio.create_task(pytrio.sweep_forever())]
         try:
             yield
         finally:
-            task.cancel()
+            for task in tasks:
+                task.cancel()
             service.stop()
 
     app = Starlette(routes=routes, lifespan=lifespan,
@@ -42,17 +50,21 @@ def create_app(service: WorkerService, api_keys: list[str] | None = None, *, bin
     app.state.service = service
     app.state.auth = auth
     app.state.idempotency = Idempotency()
+    app.state.parse_budget = ParseBudget(service.limits.max_parsing_bytes)
+    app.state.pytrio = pytrio
     return app
 
 
 async def _sweep(service: WorkerService) -> None:
-    """Drop expired results (within 1.5 x the TTL) and, every minute, expired checkpoints on disk."""
-    sweep_every = max(0.05, min(60.0, service.requests.result_ttl / 2))
+    """Drop expired results (within 1.5 x the TTL) and, every --checkpoint-sweep-seconds (a minute), expired
+    checkpoints on disk."""
+    disk_every = service.limits.checkpoint_sweep_seconds
+    sweep_every = max(0.05, min(60.0, service.requests.result_ttl / 2, disk_every))
     loop = asyncio.get_running_loop()
     last_disk_sweep = loop.time()
     while True:
         await asyncio.sleep(sweep_every)
         service.requests.sweep()
-        if loop.time() - last_disk_sweep >= 60:
+        if loop.time() - last_disk_sweep >= disk_every:
             last_disk_sweep = loop.time()
-            await asyncio.to_thread(service.store.sweep_expired)
+            await asyncio.to_thread(service.checkpoints.sweep)

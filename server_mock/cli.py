@@ -11,7 +11,12 @@ import sys
 import warnings
 from pathlib import Path
 
-from server_mock.config import Limits, TrainOptions, add_flags, from_args
+from server_mock.config import Connections, Limits, PytrioOptions, TrainOptions, add_flags, from_args
+
+FILES_RESERVED = 128  # open files the worker keeps for itself (models, checkpoints, pipes) beside connections
+
+TEXT_TINY_ARCHS = ("qwen2", "llama")
+VISION_TINY_ARCHS = ("qwen3_5", "qwen3_vl", "qwen2_5_vl", "gemma3", "llava")  # engine.tiny_vlm.TINY_VLM_FAMILIES
 
 
 def _parse_model(value: str) -> tuple[str, str]:
@@ -40,12 +45,19 @@ def build_parser() -> argparse.ArgumentParser:
                        help="what clients load the served model NAME's tokenizer from (a hub id or a folder on the "
                             "client's machine); default: the hub id or the folder NAME was served from (repeatable)")
     serve.add_argument("--lazy-models", action="store_true",
-                       help="also load any model a client names, on first use (used by the embedded worker)")
+                       help="also load a model a client names, on first use (used by the embedded worker); with API "
+                            "keys, only the names --lazy-model-allow allows")
+    serve.add_argument("--lazy-model-allow", action="append", default=[], metavar="PATTERN",
+                       help="a hub id or folder --lazy-models may load, as a shell pattern ('HuggingFaceTB/*', "
+                            "'/models/*'; a folder is matched by its real path too); repeatable; '*' allows any")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     serve.add_argument("--port-file", help="write the bound port here once listening")
     serve.add_argument("--api-key", action="append", default=[], metavar="KEY",
-                       help="accepted API key (repeatable; each key is its own tenant). Also PYTRIO_WORKER_API_KEYS")
+                       help="accepted API key (repeatable; each key is its own tenant). Visible to every local user "
+                            "in the process list: prefer --api-key-file or PYTRIO_WORKER_API_KEYS (comma-separated)")
+    serve.add_argument("--api-key-file", action="append", default=[], metavar="PATH",
+                       help="a file of accepted API keys, one per line ('#' starts a comment); repeatable")
     serve.add_argument("--insecure", action="store_true", help="allow a non-loopback bind without an API key")
     serve.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
                        help="also answer requests whose Host (or a browser's Origin) is NAME, e.g. the name a "
@@ -61,7 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="let clients sample from PEFT adapter folders under DIR "
                             "(create_sampling_client(model_path=...)); repeatable")
     add_flags(serve.add_argument_group("limits"), Limits)
+    add_flags(serve.add_argument_group("connections"), Connections)
     add_flags(serve.add_argument_group("forward/backward"), TrainOptions)
+    add_flags(serve.add_argument_group("PyTRIO protocol (the official pytrio SDK; docs/pytrio.md)"), PytrioOptions)
     ray = serve.add_argument_group("Ray cluster (pip install -e .[worker,cluster]; docs/scaling.md)")
     ray.add_argument("--ray", metavar="auto|ADDRESS",
                      help="run the models on a Ray cluster: auto joins a running one or starts a local one, HOST:PORT "
@@ -79,7 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="INFO")
     tiny = sub.add_parser("make-tiny-model", help="write a random tiny causal LM + tokenizer for smoke tests")
     tiny.add_argument("directory")
-    tiny.add_argument("--arch", default="qwen2", choices=["qwen2", "llama"])
+    tiny.add_argument("--arch", choices=[*TEXT_TINY_ARCHS, *VISION_TINY_ARCHS],
+                      help=f"the family: {', '.join(TEXT_TINY_ARCHS)} (default {TEXT_TINY_ARCHS[0]}), or with --vision "
+                           f"{', '.join(VISION_TINY_ARCHS)} (default {VISION_TINY_ARCHS[0]})")
+    tiny.add_argument("--vision", action="store_true",
+                      help="a vision-language model: its tokenizer has the image tokens, its image processor is saved "
+                           "beside it")
     tiny.add_argument("--seed", type=int, default=0)
     return parser
 
@@ -93,13 +112,52 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def read_key_file(path: str) -> list[str]:
+    """The API keys in a file: one per line, blank lines and ``#`` comments skipped. Exits naming the file if it
+    cannot be read; warns if other users may read it."""
+    try:
+        text = Path(path).read_text()
+        mode = os.stat(path).st_mode
+    except (OSError, UnicodeDecodeError) as exc:
+        sys.exit(f"--api-key-file {path}: {exc}")
+    if mode & 0o077:
+        logging.getLogger("server_mock").warning("--api-key-file %s can be read by other users (mode %o): "
+                                                 "chmod 600 it", path, mode & 0o777)
+    keys = [line.split("#", 1)[0].strip() for line in text.splitlines()]
+    keys = [k for k in keys if k]
+    if not keys:
+        sys.exit(f"--api-key-file {path}: holds no keys")
+    return keys
+
+
+def check_limits(limits: Limits) -> str | None:
+    """Why these limits cannot be served (a limit past the request shapes' structural bounds), or None."""
+    from pytrio_compat.wire import MAX_ITEMS, MAX_TOKENS
+
+    for name, bound in (("max_seq_len", MAX_TOKENS), ("max_stop_strings", MAX_ITEMS),
+                        ("max_stop_token_ids", MAX_ITEMS)):
+        if getattr(limits, name) > bound:
+            return (f"--{name.replace('_', '-')} must be <= {bound}: request bodies hold at most {bound} items in "
+                    "one list (pytrio_compat/types/bounds.py)")
+    return None
+
+
 def serve(args: argparse.Namespace) -> None:
     keys = list(args.api_key) + [k for k in os.environ.get("PYTRIO_WORKER_API_KEYS", "").split(",") if k]
+    for path in args.api_key_file:
+        keys += read_key_file(path)
     if not _is_loopback(args.host) and not keys and not args.insecure:
         sys.exit(f"refusing to listen on {args.host} without --api-key: anyone on the network could train and read "
-                 "your adapters. Pass --api-key KEY, or --insecure if you really mean it.")
+                 "your adapters. Pass keys with --api-key-file PATH (or PYTRIO_WORKER_API_KEYS; --api-key KEY shows "
+                 "them in the process list), or --insecure if you really mean it.")
     if not args.model and not args.lazy_models:
         sys.exit("nothing to serve: pass --model NAME=PATH_OR_HF_ID (or make one with `pytrio-worker make-tiny-model`)")
+    if args.lazy_models and keys and not args.lazy_model_allow:
+        sys.exit("--lazy-models with API keys needs --lazy-model-allow PATTERN: otherwise every key could load any "
+                 "folder or hub model on this machine (and learn which folders exist); pass the hub ids or folders "
+                 "clients may load, or '*' if every key may load anything")
+    if args.lazy_model_allow and not args.lazy_models:
+        sys.exit("--lazy-model-allow needs --lazy-models")
 
     import torch
     import uvicorn
@@ -122,8 +180,13 @@ def serve(args: argparse.Namespace) -> None:
     device = cluster.config.device if cluster is not None else resolve_device(args.device)
     try:
         limits, train_options = from_args(Limits, args), from_args(TrainOptions, args)
+        connections = from_args(Connections, args)
+        pytrio_options = from_args(PytrioOptions, args)
     except ValueError as exc:
         sys.exit(str(exc))
+    problem = check_limits(limits)
+    if problem:
+        sys.exit(problem)
     unknown = sorted({name for name, _ in args.tokenizer_id} - {name for name, _ in args.model})
     if unknown:
         sys.exit(f"--tokenizer-id {unknown[0]}=...: no --model is served under that name")
@@ -135,21 +198,19 @@ def serve(args: argparse.Namespace) -> None:
     service = WorkerService(dict(args.model), args.storage, device, resolve_dtype(args.dtype, device),
                             lazy_models=args.lazy_models, limits=limits, result_ttl=args.result_ttl,
                             allow_adapter_dirs=args.allow_adapter_dir,
-                            train_options=train_options, cluster=cluster, tokenizer_ids=dict(args.tokenizer_id))
+                            train_options=train_options, cluster=cluster, tokenizer_ids=dict(args.tokenizer_id),
+                            lazy_allow=args.lazy_model_allow)
     if service.fault_injection:
         logging.getLogger("server_mock").warning("fault injection is ON (PYTRIO_WORKER_FAULT_INJECTION): requests "
                                                  "may ask to fail on purpose; never use this in production")
-    app = create_app(service, keys, bind_host=args.host, allowed_hosts=args.allowed_host)
-    # proto=IPPROTO_TCP (not 0) so that asyncio sets TCP_NODELAY on every accepted connection, and the
-    # listener has it too: otherwise Nagle holds each response body until the client's delayed ACK (~40 ms)
-    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM,
-                         socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.bind((args.host, args.port))
-    sock.listen(2048)
+    app = create_app(service, keys, bind_host=args.host, allowed_hosts=args.allowed_host,
+                     pytrio_options=pytrio_options)
+    sock = listening_socket(args.host, args.port)
     port = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level="warning", timeout_keep_alive=30)
+    from server_mock.connections import ConnectionGuard, guarded_protocol
+
+    guard = ConnectionGuard(connections, _room_for_connections(connections.max_connections))
+    config = uvicorn.Config(app, log_level="warning", timeout_keep_alive=30, http=guarded_protocol(guard))
     server = uvicorn.Server(config)
     if args.port_file:
         Path(args.port_file).write_text(str(port))
@@ -157,6 +218,40 @@ def serve(args: argparse.Namespace) -> None:
                                           ", ".join(n for n, _ in args.model) or "models on demand", args.host, port,
                                           args.storage, device)
     server.run(sockets=[sock])
+
+
+def _room_for_connections(wanted: int) -> int:
+    """The connection cap that fits the open-file limit (raised toward what the cap needs, up to the hard limit):
+    a worker out of file descriptors can no longer accept anyone, not even its health check."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = wanted + FILES_RESERVED
+    if soft != resource.RLIM_INFINITY and soft < need:
+        target = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    if soft == resource.RLIM_INFINITY or soft - FILES_RESERVED >= wanted:
+        return wanted
+    fit = max(16, soft - FILES_RESERVED)
+    logging.getLogger("server_mock").warning("--max-connections %d lowered to %d: the open-file limit is %d "
+                                             "(raise it with ulimit -n)", wanted, fit, soft)
+    return fit
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The worker's listening socket. proto=IPPROTO_TCP (not 0) so that asyncio sets TCP_NODELAY on every accepted
+    connection, and the listener has it too: otherwise Nagle holds each response body until the client's delayed
+    ACK (~40 ms)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    return sock
 
 
 def _join_cluster(args: argparse.Namespace):
@@ -182,7 +277,18 @@ def main(argv: list[str] | None = None) -> None:
     else:
         from server_mock.engine.tiny_model import make_tiny_model
 
-        path = make_tiny_model(args.directory, arch=args.arch, seed=args.seed)
+        allowed = VISION_TINY_ARCHS if args.vision else TEXT_TINY_ARCHS
+        if args.arch is not None and args.arch not in allowed:
+            sys.exit(f"--arch {args.arch}: " + (f"with --vision, one of {', '.join(allowed)}" if args.vision
+                                                else f"a vision-language family: pass --vision (text: "
+                                                     f"{', '.join(allowed)})"))
+        if args.vision:
+            from server_mock.engine.tiny_vlm import make_tiny_vlm
+
+            path = make_tiny_vlm(args.directory, arch=args.arch or VISION_TINY_ARCHS[0], seed=args.seed)
+            print(f"wrote a tiny random vision-language model, tokenizer and image processor to {path}")
+            return
+        path = make_tiny_model(args.directory, arch=args.arch or TEXT_TINY_ARCHS[0], seed=args.seed)
         print(f"wrote a tiny random model and tokenizer to {path}")
 
 

@@ -21,11 +21,24 @@ def setting(default: Any, help: str, *, flag: str | None = None, choices: dict[s
 class Limits:
     """Every limit is explicit; exceeding one is answered with 413/429 naming it."""
 
-    max_body_bytes: int = setting(64 * 1024 * 1024, "largest request body, in bytes")
+    max_body_bytes: int = setting(64 * 1024 * 1024, "largest request body that carries tensors (native training "
+                                                    "ops, Tinker forward_backward), in bytes")
+    max_json_body_bytes: int = setting(4 * 1024 * 1024, "largest request body of every other route (JSON), in bytes")
+    max_json_values: int = setting(1 << 16, "JSON values (numbers, strings, list items, object members) in one "
+                                            "JSON request body (4x that in a body that carries tensors): parsing "
+                                            "holds ~60 bytes and some microseconds for each, whatever its size, "
+                                            "without letting go of the interpreter")
+    max_zstd_ratio: int = setting(100, "how many times its compressed size a zstd body (Tinker routes) may expand "
+                                       "to, beyond 1 MiB", minimum=1, why="a ratio")
+    max_parsing_bytes: int = setting(256 * 1024 * 1024, "request bodies over 1 MiB parsed at once, all requests "
+                                                        "together: their bytes plus 64 per JSON value (others wait)",
+                                     minimum=1, why="a budget of bytes")
     max_seq_len: int = setting(8192, "longest sequence (prompt + completion, or a datum), in tokens; the model's own "
                                      "context caps it")
     max_tokens_per_request: int = setting(262_144, "tokens in one forward/backward request, all datums together")
     max_sample_tokens: int = setting(8192, "max_tokens of one sample request")
+    max_sample_request_tokens: int = setting(262_144, "num_samples x (prompt + max_tokens) of one sample request: "
+                                                      "how long it may hold the model")
     max_num_samples: int = setting(256, "num_samples of one sample request")
     max_training_runs: int = setting(64, "training runs per API key")
     max_adapters: int = setting(256, "training runs on this worker, all keys together")
@@ -35,6 +48,21 @@ class Limits:
     max_snapshots: int = setting(16, "in-memory sampler snapshots kept per API key "
                                      "(save_weights_and_get_sampling_client); its least recently used dropped first")
     max_lora_rank: int = setting(128, "largest LoRA rank a run may ask for")
+    # a run's adapter memory: LoRA weights, their gradients and AdamW's two moments, all float32 (16 bytes a parameter)
+    max_adapter_bytes: int = setting(0, "memory the training runs of one API key may hold (LoRA weights, gradients, "
+                                        "AdamW moments: 16 bytes a parameter, from the model's layout); 0: a quarter "
+                                        "of --max-adapter-bytes-total", minimum=0, why="0 is the default")
+    max_adapter_bytes_total: int = setting(0, "memory the training runs of all keys may hold together; 0: half of "
+                                              "the device's memory (the GPU's, or RAM on the CPU)", minimum=0,
+                                           why="0 is the default")
+    # requests of different tenants decoded as one batch would let each see the other's traffic (batch_requests,
+    # timings, the last bits of seeded logprobs); batching them is faster when many tenants sample one base model
+    batch_across_tenants: bool = setting(False, "decode sample requests of different API keys for the same weights "
+                                                "as one batch: more throughput when many keys sample a base model, "
+                                                "but each then sees the others' traffic in its answers")
+    max_result_bytes: int = setting(1 << 30, "bytes of finished results (native requests, Tinker futures) kept for "
+                                             "polling per API key; past it its oldest are dropped", minimum=1,
+                                    why="a budget of bytes")
     # Checked against every generated token, so bounded: OpenAI takes 4 stop strings, vLLM and SGLang
     # take any number but real requests carry a handful of short ones.
     max_stop_strings: int = setting(16, "stop strings per sample request")
@@ -46,6 +74,81 @@ class Limits:
                                                "model takes its turn (the batch resumes after it); requests for the "
                                                "same weights join the batch between steps", minimum=0.001,
                                           metavar="S")
+    # images (engine/images.py): the bytes bound what a client may send, the pixels what decoding may allocate
+    # (checked from the file's header before any pixel is decoded), the count how many decodes one request buys
+    max_image_bytes: int = setting(10 * 1024 * 1024, "bytes of one image (PNG or JPEG file)")
+    max_image_pixels: int = setting(4096 * 4096, "width x height of one image, read from its header before decoding "
+                                                 "(a decompression bomb is refused unread)")
+    max_images_per_request: int = setting(256, "image chunks in one sample or forward/backward request, all datums "
+                                               "together (identical images are decoded once)")
+    # soft-target cross-entropy: target_tokens / weights of shape [N, K] (top-K distillation sends K ~ 20)
+    max_target_k: int = setting(1024, "K, the targets per position of soft-target cross-entropy ([N, K] inputs)")
+    max_target_cells: int = setting(4_194_304, "soft-target cells (N x K, all datums together) in one "
+                                               "forward/backward request")
+    # stable_reinforce: what the sampler records per returned sequence when asked (record_stability_info)
+    max_recorded_sequences: int = setting(65_536, "sampled sequences whose stability records are kept per API key "
+                                                  "(least recently used dropped first)")
+    max_recorded_tokens: int = setting(16_777_216, "tokens (prompts once per request, plus sampled tokens) held in "
+                                                   "stability records per API key (least recently used dropped "
+                                                   "first)")
+    checkpoint_sweep_seconds: float = setting(60.0, "how often expired checkpoints (ttl_seconds) are deleted from "
+                                                    "disk, in seconds; they answer 404 from their expiry on",
+                                              minimum=0.05, why="the sweeper's own tick")
+    recorded_sequence_ttl: float = setting(86_400.0, "seconds a stability record is kept after its last use "
+                                                     "(sampling, or a training request naming it)")
+
+
+@dataclass
+class PytrioOptions:
+    """The PyTRIO protocol (server_mock/api/pytrio/, docs/pytrio.md): the limits its Control plane hands the
+    official ``pytrio`` SDK, and how long its sessions, runs, tokens and event answers live."""
+
+    # The SDK splits one forward_backward call into Actor events of at most these sizes (0: no limit sent, no split).
+    pytrio_max_batch_size: int = setting(0, "datums per PyTRIO training event: the SDK splits a call into events of at "
+                                            "most N datums (0: no limit; the call is one event)", minimum=0,
+                                         why="0: no limit", metavar="N")
+    pytrio_max_tokens_per_request: int = setting(0, "summed tokens per PyTRIO training event (the SDK splits a call "
+                                                    "past it); 0: the worker's --max-tokens-per-request", minimum=0,
+                                                 why="0: --max-tokens-per-request", metavar="N")
+    pytrio_token_ttl: float = setting(43200.0, "seconds an Actor token lives; the SDK renews it through the Control "
+                                               "plane", minimum=301,
+                                      why="the SDK renews a token with 300 s or less left before every request")
+    pytrio_event_ttl: float = setting(1800.0, "seconds the answer of a finished training event is kept for polls and "
+                                              "re-sent submits (the SDK retries for up to 900 s)", minimum=1)
+    pytrio_events_per_run: int = setting(256, "finished training events kept per run for polls (older ones are "
+                                              "forgotten first)", minimum=16, why="the SDK keeps 16 in flight")
+    pytrio_event_answer_bytes: int = setting(128 * 1024 * 1024, "bytes of finished training events' answers kept per "
+                                                                "run (forward results carry per-token tensors; older "
+                                                                "ones are forgotten first)", minimum=1 << 20)
+    pytrio_max_sessions: int = setting(256, "open PyTRIO service sessions per API key", minimum=1)
+    pytrio_session_ttl: float = setting(21600.0, "seconds a PyTRIO service session without any request is kept; "
+                                                 "then it is closed and its runs released", minimum=60)
+    pytrio_run_idle_ttl: float = setting(1800.0, "seconds a PyTRIO training run keeps its adapter without a heartbeat "
+                                                 "or an event (the SDK beats every 60 s while the client lives)",
+                                         minimum=60)
+    pytrio_max_sampling_runs: int = setting(64, "PyTRIO sampling runs kept per API key (the SDK never closes them; "
+                                                "the least recently used is released first)", minimum=1)
+    pytrio_sampling_run_ttl: float = setting(21600.0, "seconds a PyTRIO sampling run without a sample request is kept",
+                                             minimum=60)
+    pytrio_sample_keepalive: float = setting(30.0, "seconds a PyTRIO sample answer may take before the worker starts "
+                                                   "it with whitespace keep-alives (one every such interval)",
+                                             minimum=0.05)
+
+
+@dataclass
+class Connections:
+    """What the HTTP server grants one connection: time to send a request, and room among the others."""
+
+    request_timeout: float = setting(60.0, "seconds a client has to send a whole request (headers and body), from "
+                                           "connecting or its first byte; slower ones get 408 and are closed",
+                                     minimum=0.001, why="seconds")
+    max_connections: int = setting(1000, "open HTTP connections, all clients together (also kept below the open-file "
+                                         "limit); past it, the longest-waiting incomplete request of the busiest "
+                                         "peer is closed, or the new connection gets 503", minimum=1,
+                                   why="a count of connections")
+    max_connections_per_peer: int = setting(512, "open HTTP connections from one IP address; past it, that peer's "
+                                                 "longest-waiting incomplete request is closed, or the new connection "
+                                                 "gets 503", minimum=1, why="a count of connections")
 
 
 MICRO_BATCH_TOKENS = 2048  # padded tokens per forward pass; bounds the (B, T, V) logits in memory
@@ -79,6 +182,10 @@ class TrainOptions:
                                                    "of a float32 model (each snapshot's LoRA merged into a copy of "
                                                    "the layers it adapts: faster decode steps, logprobs the same to "
                                                    "~1e-7); 0 decodes unmerged", minimum=0, metavar="BYTES")
+    # an image-text model's vision tower is frozen by default (lora.linear_groups); PEFT adapts its Linear layers too
+    lora_vision_tower: bool = setting(False, "LoRA also covers an image-text model's vision tower and projector (its "
+                                             "attention layers with train_attn, the rest with train_mlp); by default "
+                                             "only the language model is adapted")
     # datums of one call sharing at least this many leading tokens run them once (prefix_sharing.py); 0 = never
     prefix_share_min_tokens: int = setting(PREFIX_SHARE_MIN_TOKENS, "in one forward/backward call, datums sharing at "
                                            "least N leading tokens (a GRPO group's prompt) run them once; the results "

@@ -50,11 +50,21 @@ class Snapshot:
     tensors: dict[str, torch.Tensor]
 
 
-def linear_groups(model: nn.Module) -> dict[str, str]:
-    """Which LoRA switch covers each Linear layer: train_attn, train_mlp or train_unembed."""
+def linear_groups(model: nn.Module, vision_tower: bool = False) -> dict[str, str]:
+    """Which LoRA switch covers each Linear layer: train_attn, train_mlp or train_unembed.
+
+    In an image-text model the layers outside the language model (the vision tower and its projector into the
+    text embedding space) belong to no group, so a LoRA adapts the language model only and the vision tower
+    stays frozen, unless ``vision_tower``: then its attention layers join train_attn and all its other Linear
+    layers (MLPs, the projector) train_mlp.
+    """
+    vision = _vision_modules(model)
     groups = {}
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear):
+            continue
+        in_vision = any(name == v or name.startswith(v + ".") for v in vision)
+        if in_vision and not vision_tower:
             continue
         if name.split(".")[-1] == "lm_head":
             groups[name] = "train_unembed"
@@ -62,7 +72,27 @@ def linear_groups(model: nn.Module) -> dict[str, str]:
             groups[name] = "train_mlp"
         elif "attn" in name or "attention" in name:
             groups[name] = "train_attn"
+        elif in_vision:
+            groups[name] = "train_mlp"
     return groups
+
+
+def _vision_modules(model: nn.Module) -> tuple[str, ...]:
+    """The names of an image-text model's modules beside its language model (vision tower, projector); none for a
+    model without a vision config. Found from the module tree: the siblings of the text decoder."""
+    config = getattr(model, "config", None)
+    if getattr(config, "vision_config", None) is None or not hasattr(model, "get_decoder"):
+        return ()
+    decoder = model.get_decoder()
+    names = {id(module): name for name, module in model.named_modules()}
+    decoder_name = names.get(id(decoder))
+    if not decoder_name:
+        return ()
+    parent_name = decoder_name.rpartition(".")[0]
+    parent = model.get_submodule(parent_name) if parent_name else model
+    prefix = parent_name + "." if parent_name else ""
+    return tuple(prefix + child for child, module in parent.named_children()
+                 if module is not decoder and any(isinstance(m, nn.Linear) for m in module.modules()))
 
 
 @dataclass(frozen=True)
@@ -81,6 +111,16 @@ def model_layout(model: nn.Module, groups: dict[str, str]) -> dict[str, Layer]:
         base = getattr(module, "base_layer", module)
         layout[name] = Layer(group, int(base.in_features), int(base.out_features))
     return layout
+
+
+# What a training run's adapter holds per LoRA parameter: float32 weights, their gradient, and AdamW's two moments
+BYTES_PER_TRAINED_PARAM = 16
+
+
+def adapter_parameters(layout: dict[str, Layer], targets: tuple[str, ...], rank: int) -> int:
+    """The parameters of a LoRA of ``rank`` on the ``targets`` layers of a model (``layout``: ``model_layout``):
+    ``lora_A`` is rank x in, ``lora_B`` out x rank."""
+    return sum(rank * (layout[name].in_features + layout[name].out_features) for name in targets)
 
 
 def lora_config(groups: dict[str, str], spec: LoraSpec):

@@ -17,6 +17,20 @@ settings.register_profile("repeatable", derandomize=True)
 settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
 
+# Tests that need an optional install (the Ray cluster, the official clients) skip without it. Where every extra
+# is installed (scripts/test.sh, hence CI), a missing one must fail the run instead of shrinking it silently.
+REQUIRED_WITH_EXTRAS = ("ray", "tinker", "openai", "grpc_tools", "pytrio", "trio_cookbook", "tinker_cookbook")
+
+
+def pytest_sessionstart(session):
+    if os.environ.get("PYTRIO_REQUIRE_EXTRAS") == "1":
+        import importlib.util
+
+        missing = [name for name in REQUIRED_WITH_EXTRAS if importlib.util.find_spec(name) is None]
+        if missing:
+            raise pytest.UsageError(f"PYTRIO_REQUIRE_EXTRAS=1 but {', '.join(missing)} is not installed: "
+                                    "run bash scripts/setup_env.sh (it installs every extra)")
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):

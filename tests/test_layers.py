@@ -2,8 +2,8 @@
 the protocol packages never import each other, and no import circle exists anywhere in ``server_mock``.
 
 Layers, top to bottom (docs/architecture.md draws them):
-  cli / __main__  ->  app  ->  api  ->  service  ->  cluster  ->  engine  ->  training, sampling, storage  ->
-  lora, config, errors
+  cli / __main__  ->  app, connections  ->  api  ->  service  ->  cluster  ->  engine  ->  training, sampling,
+  storage  ->  lora, config, errors
 Inside ``api``, the shared plumbing (auth, bodies, endpoint, browser_safety, downloads) sits below the
 protocol packages. Imports under ``if TYPE_CHECKING:`` count too: a type is a dependency.
 """
@@ -18,7 +18,7 @@ PACKAGE = ROOT / "server_mock"
 
 # rank: a module may import modules of a lower rank, or of its own unit (a package or module of the same name)
 RANKS = [
-    ("server_mock.__main__", 10), ("server_mock.cli", 9), ("server_mock.app", 8),
+    ("server_mock.__main__", 10), ("server_mock.cli", 9), ("server_mock.app", 8), ("server_mock.connections", 8),
     ("server_mock.api.native", 7), ("server_mock.api.tinker", 7), ("server_mock.api.openai", 7),
     ("server_mock.api.pytrio", 7), ("server_mock.api", 6),
     ("server_mock.service", 5), ("server_mock.cluster", 4), ("server_mock.engine", 3),

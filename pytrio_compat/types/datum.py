@@ -11,12 +11,13 @@ from .tensor import TensorData
 
 LossFnOutput = dict[str, TensorData]
 
-# loss name: (required loss_fn_inputs, optional ones). Every input holds one value per model_input token.
+# loss name: (required loss_fn_inputs, optional ones). Every input holds one value per model_input token. The policy
+# losses' optional weights scale each token's loss (and its KL term: loss_fn_config kl_coef).
 LOSS_INPUTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "cross_entropy": (("target_tokens",), ("weights",)),
-    "importance_sampling": (("target_tokens", "logprobs", "advantages"), ()),
-    "ppo": (("target_tokens", "logprobs", "advantages"), ()),
-    "cispo": (("target_tokens", "logprobs", "advantages"), ()),
+    "importance_sampling": (("target_tokens", "logprobs", "advantages"), ("weights",)),
+    "ppo": (("target_tokens", "logprobs", "advantages"), ("weights",)),
+    "cispo": (("target_tokens", "logprobs", "advantages"), ("weights",)),
     "dro": (("target_tokens", "logprobs", "advantages"), ()),
 }
 

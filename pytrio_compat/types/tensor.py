@@ -9,6 +9,8 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, model_validator
 
+from .bounds import MAX_DIMS, bounded_list
+
 DType = Literal["float32", "int64"]
 _NUMPY_DTYPES = {"float32": np.float32, "int64": np.int64}
 
@@ -119,7 +121,7 @@ class WireTensor(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     dtype: DType
-    shape: list[int]
+    shape: bounded_list(int, MAX_DIMS)
     b64: str
 
     @classmethod

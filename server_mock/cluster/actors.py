@@ -90,7 +90,8 @@ class TrainerRank:
         return adapter
 
     @_refusing
-    def forward_backward(self, run_id: str, data: list, loss_fn: str, config: dict, backward: bool):
+    def forward_backward(self, run_id: str, data: list, loss_fn: str, config: dict, backward: bool,
+                         loss_scale: float = 1.0):
         adapter = self._adapter(run_id)
         if backward:
             self._grads_before[run_id] = {n: None if p.grad is None else p.grad.clone()
@@ -99,7 +100,7 @@ class TrainerRank:
         if not data:
             return {"outputs": [], "metrics": {"loss_sum": 0.0, "loss_mean": 0.0, "token_count": 0.0,
                                                "loss:sum": 0.0}}
-        return self.host.forward_backward(adapter, data, loss_fn, config, backward)
+        return self.host.forward_backward(adapter, data, loss_fn, config, backward, loss_scale)
 
     def undo_backward(self, run_id: str) -> None:
         """Put back the gradients from before the last forward_backward (another rank refused its shard)."""

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from server_mock.errors import WorkerError
+from server_mock.training.forward_backward import call_metrics
 
 
 def split_by_tokens(lengths: list[int], parts: int) -> list[list[int]]:
@@ -33,14 +34,16 @@ def merge_results(shards: list[list[int]], results: list[dict], count: int) -> d
     """One forward/backward result from the shards' results, datums back in their request order."""
     outputs: list = [None] * count
     loss_sum, tokens = 0.0, 0.0
+    sums: dict[str, float] = {}
     for shard, result in zip(shards, results):
         for local, index in enumerate(shard):
             outputs[index] = result["outputs"][local]
         loss_sum += result["metrics"]["loss_sum"]
         tokens += result["metrics"]["token_count"]
-    metrics = {"loss_sum": loss_sum, "loss_mean": loss_sum / tokens if tokens else 0.0, "token_count": tokens,
-               "loss:sum": loss_sum}
-    return {"outputs": outputs, "metrics": metrics}
+        for name in ("kl", "entropy"):  # with kl_coef / return_entropy
+            if f"{name}_sum" in result["metrics"]:
+                sums[name] = sums.get(name, 0.0) + result["metrics"][f"{name}_sum"]
+    return {"outputs": outputs, "metrics": call_metrics(loss_sum, tokens, sums)}
 
 
 _DATUM_INDEX = re.compile(r"^data\[(\d+)\]")

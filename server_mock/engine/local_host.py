@@ -20,12 +20,14 @@ from torch import nn
 from pytrio_compat.wire import AdamParams, LoraSpec
 from server_mock.config import TrainOptions
 from server_mock.engine import support
-from server_mock.engine.host import default_stop_ids
+from server_mock.engine.host import ModelFacts
 from server_mock.engine.loading import load_model_and_tokenizer
 from server_mock.engine.merged_lora import MergedDecoder, merged_bytes
 from server_mock.engine.sampling_session import SamplingSession
+from server_mock.engine.vision import ImageProcessing, is_image_text, load_image_processing
+from server_mock.engine.vision_probe import probe_image_decoding
 from server_mock.errors import bad_request
-from server_mock.lora import Adapter, Layer, Snapshot, linear_groups, lora_config, model_layout, peft_adapter_config
+from server_mock.lora import Adapter, Snapshot, linear_groups, lora_config
 from server_mock.sampling.generate import generate_batch
 from server_mock.sampling.static_steps import StaticSteps
 from server_mock.training import adamw, prefix_cache, prefix_sharing
@@ -34,7 +36,7 @@ from server_mock.training.forward_backward import TrainModel, run_forward_backwa
 logger = logging.getLogger("server_mock")
 
 
-class LocalModelHost:
+class LocalModelHost(ModelFacts):
     """A base model loaded in this process (see the module docstring)."""
 
     def __init__(self, name: str, source: str, device: str, dtype: torch.dtype, max_seq_len: int | None = None,
@@ -46,14 +48,16 @@ class LocalModelHost:
         self.dtype = dtype
         self.model, self.tokenizer, self.source_dir = load_model_and_tokenizer(source, device, dtype)
         self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
-        self._linear_groups = linear_groups(self.model)  # read before PEFT wraps the layers
+        # read before PEFT wraps the layers; an image-text model's vision tower only when asked
+        self._linear_groups = linear_groups(self.model, vision_tower=options.lora_vision_tower)
         if not any(group != "train_unembed" for group in self._linear_groups.values()):
             raise support.refuse(self.model.config.model_type,
                                        "LoRA needs nn.Linear attention or MLP layers and this model has none")
         if options.float32_head:
             support.use_float32_head(self.model)
         self.sampling_support = support.probe_sampling(self.model, self.vocab_size)
-        ctx = getattr(self.model.config, "max_position_embeddings", None)
+        self.vision, self.vision_refusal = self._load_vision()
+        ctx = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
         self.max_seq_len = min(x for x in (max_seq_len, ctx) if x) if (max_seq_len or ctx) else None
         if options.activation_checkpointing:
             # recompute activations in backward: memory falls with sequence length x layers, time rises ~30%
@@ -67,23 +71,20 @@ class LocalModelHost:
         self._merged: dict[str, tuple[MergedDecoder, int]] = {}  # snapshot id -> merged decoder, its bytes
         self._static: dict[int, tuple[nn.Module, StaticSteps]] = {}  # by sampling model
 
-    # --- what the model is -------------------------------------------------------------------------------
-
-    @property
-    def model_type(self) -> str:
-        return getattr(self.model.config, "model_type", type(self.model).__name__)
-
-    def stop_token_ids(self) -> list[int]:
-        return default_stop_ids(self.tokenizer, getattr(self.model, "generation_config", None))
-
-    def lora_layout(self) -> dict[str, Layer]:
-        return model_layout(self.model, self._linear_groups)
-
-    def lora_targets(self, spec: LoraSpec) -> tuple[str, ...]:
-        return lora_config(self._linear_groups, spec)[1]
-
-    def peft_adapter_config(self, spec: LoraSpec) -> str:
-        return peft_adapter_config(self.name, self._linear_groups, spec)
+    def _load_vision(self) -> tuple[ImageProcessing | None, str | None]:
+        """An image-text model's image processing, and why images cannot be served on it (None: they can)."""
+        if not is_image_text(self.model.config):
+            return None, None
+        vision = load_image_processing(self.model, self.source_dir, self.tokenizer)
+        why_not = probe_image_decoding(self.model, vision, self.vocab_size)
+        if why_not:
+            logger.warning("model type %s: image inputs are refused (%s); text is served as usual", self.model_type,
+                           why_not)
+        else:
+            logger.info("model type %s: an image-text model (%s); images are taken, the vision tower is %s",
+                        self.model_type, type(self.model).__name__,
+                        "adapted by LoRA" if self.options.lora_vision_tower else "frozen")
+        return vision, why_not
 
     # --- adapters ---------------------------------------------------------------------------------
 
@@ -142,8 +143,9 @@ class LocalModelHost:
     # --- forward / backward ---------------------------------------------------------------------------
 
     def forward_backward(self, adapter: Adapter, data: list[dict[str, np.ndarray]], loss_fn: str,
-                         config: dict[str, float], backward: bool) -> dict:
-        """Per-datum logprobs and losses; with ``backward`` the summed loss's gradient accumulates.
+                         config: dict[str, float], backward: bool, loss_scale: float = 1.0) -> dict:
+        """Per-datum logprobs and losses; with ``backward`` the gradient of the summed loss (times ``loss_scale``)
+        accumulates.
 
         If anything fails midway, the gradients accumulated before this call are restored, so a failed
         request leaves the adapter exactly as it was.
@@ -152,9 +154,10 @@ class LocalModelHost:
         saved = {n: (p.grad.clone() if p.grad is not None else None) for n, p in adapter.params.items()}
         model = TrainModel(partial(self.logits, self.peft), self.model.config, self.cache_kwarg, self.device,
                            self.options.micro_batch_tokens,
-                           self.options.prefix_share_min_tokens if self.prefix_sharing else 0)
+                           self.options.prefix_share_min_tokens if self.prefix_sharing else 0,
+                           reference_logits=partial(self.logits, _BaseOnly(self.peft)))
         try:
-            return run_forward_backward(model, data, loss_fn, config, backward)
+            return run_forward_backward(model, data, loss_fn, config, backward, loss_scale)
         except BaseException:
             for name, param in adapter.params.items():
                 param.grad = saved[name]

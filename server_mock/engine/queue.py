@@ -42,6 +42,8 @@ class Job:
     open_decode: Callable[[], "Decoding | None"] | None = None
     # The submitter's conversion of the result to its wire form, run once on the model thread (None: as is).
     encode: Callable[[dict], dict] | None = None
+    # Called on the event loop once the job has finished (the request store counts what its result holds).
+    on_finish: Callable[[Job], None] | None = None
 
 
 class Decoding(Protocol):
@@ -349,7 +351,13 @@ class ModelQueue:
         job.fn, job.payload, job.batch_fn, job.encode = _done, None, None, None  # drop request tensors
         job.open_decode = None
         if job.done is not None:
-            self.loop.call_soon_threadsafe(job.done.set)
+            self.loop.call_soon_threadsafe(_announce, job)
+
+
+def _announce(job: Job) -> None:
+    job.done.set()
+    if job.on_finish is not None:
+        job.on_finish(job)
 
 
 def _done() -> dict:

@@ -1,25 +1,35 @@
-"""Every request by id, for polling: a finished request is forgotten ``result_ttl`` seconds later."""
+"""Every request by id, for polling: a finished request is forgotten ``result_ttl`` seconds later, or sooner when
+its tenant's finished results together hold more than ``max_result_bytes`` (its oldest go first)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 import uuid
-from typing import Callable
+from collections import OrderedDict
+from typing import Any, Callable
 
 from server_mock.engine.queue import Job
 
+DROPPED_REMEMBERED = 4096  # ids of results dropped for bytes, remembered to say why they are gone
+
 
 class RequestStore:
-    """Every request by id, for polling. A finished request is forgotten ``result_ttl`` seconds later."""
+    """Every request by id, for polling. A finished request is forgotten ``result_ttl`` seconds later; past
+    ``max_result_bytes`` of finished results per owner, that owner's oldest are forgotten at once."""
 
-    def __init__(self, result_ttl: float = 3600.0) -> None:
+    def __init__(self, result_ttl: float = 3600.0, max_result_bytes: int = 1 << 30) -> None:
         self.result_ttl = result_ttl
+        self.max_result_bytes = max_result_bytes
         self._jobs: dict[str, Job] = {}
         self._unfinished: dict[str, Job] = {}  # queued or running; only touched on the event loop
+        self._held: dict[str, OrderedDict[str, int]] = {}  # owner -> finished request ids (oldest first) -> bytes
+        self._held_bytes: dict[str, int] = {}
+        self._dropped: OrderedDict[str, str] = OrderedDict()  # request id -> owner
 
     def new_job(self, kind: str, fn: Callable[[], dict], owner: str = "") -> Job:
         job = Job(request_id=f"req-{uuid.uuid4().hex}", kind=kind, fn=fn, owner=owner, done=asyncio.Event())
+        job.on_finish = self._finished
         self._jobs[job.request_id] = job
         self._unfinished[job.request_id] = job
         return job
@@ -29,9 +39,16 @@ class RequestStore:
         if job is None or (owner is not None and job.owner != owner):
             return None
         if self._expired(job, time.monotonic()):
-            del self._jobs[request_id]
+            self._forget(request_id)
             return None
         return job
+
+    def why_gone(self, request_id: str, owner: str) -> str:
+        """Why an unknown request of ``owner`` may be unknown, for the 404."""
+        if self._dropped.get(request_id) == owner:
+            return (f"dropped: this API key's finished results held more than max_result_bytes="
+                    f"{self.max_result_bytes} bytes, and the oldest go first")
+        return "expired or worker restarted"
 
     def unfinished(self, owner: str) -> int:
         """How many of this owner's requests are queued or running."""
@@ -39,14 +56,49 @@ class RequestStore:
             del self._unfinished[rid]
         return sum(1 for job in self._unfinished.values() if job.owner == owner)
 
+    def held_bytes(self, owner: str) -> int:
+        """What this owner's finished results hold, as counted against ``max_result_bytes``."""
+        return self._held_bytes.get(owner, 0)
+
     def _expired(self, job: Job, now: float) -> bool:
         return job.finished is not None and now - job.finished > self.result_ttl
+
+    def _finished(self, job: Job) -> None:
+        """On the event loop, when a job finishes: count its result, and drop the owner's oldest results while
+        they hold more than the budget (the newest always stays, so that it can be fetched)."""
+        if job.request_id not in self._jobs:
+            return
+        held = self._held.setdefault(job.owner, OrderedDict())
+        size = approx_bytes(job.result)
+        held[job.request_id] = size
+        total = self._held_bytes.get(job.owner, 0) + size
+        self._held_bytes[job.owner] = total
+        while total > self.max_result_bytes and len(held) > 1:
+            oldest = next(iter(held))
+            self._forget(oldest)
+            self._dropped[oldest] = job.owner
+            while len(self._dropped) > DROPPED_REMEMBERED:
+                self._dropped.popitem(last=False)
+            total = self._held_bytes.get(job.owner, 0)
+
+    def _forget(self, request_id: str) -> None:
+        job = self._jobs.pop(request_id, None)
+        if job is None:
+            return
+        held = self._held.get(job.owner)
+        if held is not None and request_id in held:
+            left = self._held_bytes.get(job.owner, 0) - held.pop(request_id)
+            if held:
+                self._held_bytes[job.owner] = left
+            else:
+                del self._held[job.owner]
+                self._held_bytes.pop(job.owner, None)
 
     def sweep(self) -> int:
         now = time.monotonic()
         stale = [rid for rid, job in self._jobs.items() if self._expired(job, now)]
         for rid in stale:
-            del self._jobs[rid]
+            self._forget(rid)
         return len(stale)
 
     async def wait(self, job: Job, timeout: float) -> None:
@@ -58,7 +110,28 @@ class RequestStore:
             pass
 
 
+def approx_bytes(value: Any) -> int:
+    """About what a result holds, cheaply: bytes and strings by length, a list of numbers 8 bytes an item (from its
+    first item; results are uniform), containers by their contents."""
+    if value is None or isinstance(value, (bool, int, float)):
+        return 8
+    if isinstance(value, (bytes, bytearray, str)):
+        return len(value) + 32
+    if isinstance(value, dict):
+        return 64 + sum(approx_bytes(k) + approx_bytes(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        if not value:
+            return 56
+        first = value[0]
+        if first is None or isinstance(first, (bool, int, float)):
+            return 56 + 8 * len(value)
+        if len(value) > 32:  # a long list of containers (top-k rows): measured on 16 of its items
+            step = len(value) // 16
+            return 56 + sum(approx_bytes(value[i * step]) for i in range(16)) * len(value) // 16
+        return 56 + sum(approx_bytes(item) for item in value)
+    nbytes = getattr(value, "nbytes", None)
+    return int(nbytes) + 96 if isinstance(nbytes, int) else 64
+
+
 def run_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:16]}"
-
-

@@ -8,23 +8,48 @@ save/load work runs on the model's queue thread.
 from __future__ import annotations
 
 import hashlib
+import time
 
 from pytrio_compat.wire import CheckpointConfig, CheckpointEntry, CheckpointList, LoraSpec, SaveOp
 from server_mock.engine.host import ModelHost
 from server_mock.errors import WorkerError, not_found
 from server_mock.lora import Snapshot
 from server_mock.service.quotas import TenantLRU
-from server_mock.storage.checkpoints import CheckpointRef, CheckpointStore, parse_path
+from server_mock.storage.checkpoints import CheckpointRef, CheckpointStore, expires_at, parse_path
+
+
+def checkpoint_id(path: str) -> str:
+    """The short id a checkpoint is listed (and may be deleted) by, in every protocol."""
+    return hashlib.sha256(path.encode()).hexdigest()[:16]
 
 
 class Checkpoints:
     def __init__(self, store: CheckpointStore, snapshots: TenantLRU[tuple[str, Snapshot]]) -> None:
         self.store = store
         self.snapshots = snapshots  # sampler path -> (base model, weights) kept in memory, per tenant
+        # expiry time of the saved checkpoints held in ``snapshots``: a sampler reading one stops at its expiry
+        # without a disk read
+        self.snapshot_expiry: dict[str, float] = {}
+
+    def remember_expiry(self, path: str, meta: dict) -> None:
+        when = expires_at(meta)
+        if when is None:
+            self.snapshot_expiry.pop(path, None)
+        else:
+            self.snapshot_expiry[path] = when
+
+    def drop_if_expired(self, path: str) -> None:
+        """Forget the in-memory copy of a saved checkpoint whose expiry time has passed (no disk read)."""
+        when = self.snapshot_expiry.get(path)
+        if when is not None and when <= time.time():
+            self.snapshots.pop(path)
+            self.snapshot_expiry.pop(path, None)
 
     def owned_ref(self, path: str, tenant: str, field_name: str) -> CheckpointRef:
-        """The checkpoint (on disk or an in-memory snapshot) at ``path`` if it is this tenant's; else 404."""
+        """The checkpoint (on disk or an in-memory snapshot) at ``path`` if it is this tenant's; else 404.
+        An expired one is absent."""
         ref = parse_path(path, field_name)
+        self.drop_if_expired(path)
         owner = self.snapshots.owner(path)
         if owner is not None:
             if owner != tenant:
@@ -45,15 +70,38 @@ class Checkpoints:
                                 lora=LoraSpec.model_validate(meta["lora"]),
                                 has_optimizer=meta.get("has_optimizer", False))
 
+    def records(self, tenant: str, training_run_id: str | None = None) -> list[tuple[CheckpointRef, dict, int]]:
+        """This tenant's checkpoints on disk (of one run), unexpired: (ref, metadata, size in bytes) each."""
+        return [(ref, meta, size) for ref, meta, size in self.store.list(training_run_id, tenant=tenant)
+                if meta.get("tenant", "") == tenant]  # the store reads only the folders of this tenant's runs
+
+    def set_expiry(self, path: str, tenant: str, when: float | None) -> dict:
+        """A new expiry time for one of this tenant's checkpoints on disk (None: never); its new metadata."""
+        ref = self.owned_ref(path, tenant, "path")
+        if not self.store.exists(ref):
+            raise WorkerError(404, "checkpoint_not_found", f"path: {path} is held in memory only (it has no "
+                                                           "expiry time)", "path")
+        meta = self.store.set_expiry(ref, when)
+        if path in self.snapshot_expiry or self.snapshots.owner(path) is not None:
+            self.remember_expiry(path, meta)
+        return meta
+
+    def sweep(self) -> int:
+        """Delete expired checkpoints from disk, with their in-memory copies; returns how many."""
+        removed = self.store.sweep_expired()
+        for ref in removed:
+            self.snapshots.pop(ref.path)
+            self.snapshot_expiry.pop(ref.path, None)
+        return len(removed)
+
     def list(self, tenant: str, training_run_id: str | None) -> CheckpointList:
-        entries = []
-        for ref, meta, size in self.store.list(training_run_id):
-            if meta.get("tenant", "") != tenant:
-                continue
-            entries.append(CheckpointEntry(checkpoint_id=hashlib.sha256(ref.path.encode()).hexdigest()[:16],
-                                           kind=ref.kind, path=ref.path, created_at=meta.get("created_at", 0.0),
-                                           size_bytes=size))
-        return CheckpointList(checkpoints=entries)
+        return CheckpointList(checkpoints=[entry for entry, _ in self.entries(tenant, training_run_id)])
+
+    def entries(self, tenant: str, training_run_id: str | None) -> list[tuple[CheckpointEntry, dict]]:
+        """This tenant's unexpired checkpoints on disk (of one run, or of all its runs), each with its metadata."""
+        return [(CheckpointEntry(checkpoint_id=checkpoint_id(ref.path), kind=ref.kind, path=ref.path,
+                                 created_at=meta.get("created_at", 0.0), size_bytes=size), meta)
+                for ref, meta, size in self.records(tenant, training_run_id)]
 
     def delete(self, path_or_id: str, tenant: str) -> None:
         if not path_or_id.startswith("trio://"):
@@ -64,6 +112,7 @@ class Checkpoints:
         ref = self.owned_ref(path_or_id, tenant, "path")
         self.store.delete(ref)
         self.snapshots.pop(ref.path)
+        self.snapshot_expiry.pop(ref.path, None)
 
     @staticmethod
     def check_compatible(run, meta: dict) -> None:
@@ -90,7 +139,9 @@ class Checkpoints:
             return {"path": ref.path, "size": size, "model": run.base_model}
         meta = {"base_model": run.base_model, "lora": run.spec.model_dump(), "tenant": run.tenant,
                 "optim_steps": adapter.optim_steps, "ttl_seconds": op.ttl_seconds, "kind": kind,
-                "has_optimizer": kind == "state"}
+                "has_optimizer": kind == "state",
+                # the front end's labels: of this checkpoint, and of its run (kept so the run is known later)
+                "user_metadata": op.user_metadata, "run_user_metadata": run.user_metadata}
         tensors = {"adapter_model.safetensors": host.adapter_weights(adapter)}
         if kind == "state":
             tensors["optimizer.safetensors"] = host.optimizer_state(adapter)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import fnmatch
 import logging
 import os
 import tempfile
@@ -22,6 +23,7 @@ from server_mock.engine.local_host import LocalModelHost
 from server_mock.engine.queue import ModelQueue, job_result
 from server_mock.engine.requests import RequestStore
 from server_mock.errors import WorkerError
+from server_mock.lora import Layer
 
 logger = logging.getLogger("server_mock")
 
@@ -29,7 +31,7 @@ logger = logging.getLogger("server_mock")
 class Models:
     def __init__(self, sources: dict[str, str], device: str, dtype: torch.dtype, requests: RequestStore,
                  limits: Limits, train_options: TrainOptions, lazy: bool = False, cluster=None,
-                 tokenizer_ids: dict[str, str] | None = None) -> None:
+                 tokenizer_ids: dict[str, str] | None = None, lazy_allow: list[str] | None = None) -> None:
         self.sources = dict(sources)
         self.tokenizer_ids = dict(tokenizer_ids or {})  # operator-set, per served model name
         self.device = device
@@ -37,22 +39,40 @@ class Models:
         self.requests = requests
         self.limits = limits
         self.train_options = train_options
-        self.lazy = lazy  # also load any model a client names (the embedded worker)
+        self.lazy = lazy  # also load a model a client names (the embedded worker)
+        self.lazy_allow = list(lazy_allow or [])  # ... if it matches one of these patterns (empty: any)
         self.cluster = cluster  # a server_mock.cluster.Cluster: models live on Ray actors (None: in this process)
         self.hosts: dict[str, ModelHost] = {}
         self.queues: dict[str, ModelQueue] = {}
         self._load_locks: dict[str, asyncio.Lock] = {}
         self._tokenizer_files: dict[str, dict[str, str]] = {}
+        self._layouts: dict[str, dict[str, Layer]] = {}
 
     def _source_for(self, name: str, field_name: str) -> str:
         if name in self.sources:
             return self.sources[name]
-        if self.lazy and name:
+        if self.lazy and name and self.lazy_allowed(name):
             return name
+        raise self._not_served(name, field_name)
+
+    def lazy_allowed(self, name: str) -> bool:
+        """Whether ``--lazy-models`` may load ``name``: every pattern list allows it (none given: any name), and a
+        name that is a local path is judged by its real path too (so ``allowed/../elsewhere`` is not allowed)."""
+        if not self.lazy_allow:
+            return True
+        forms = [name]
+        if os.path.isabs(name) or name.startswith((".", "~")) or os.path.exists(name):
+            forms.append(os.path.realpath(os.path.expanduser(name)))
+        return all(any(fnmatch.fnmatchcase(form, pattern) for pattern in self.lazy_allow) for form in forms)
+
+    def _not_served(self, name: str, field_name: str) -> WorkerError:
+        """The one answer for a model a client cannot have: not served, not allowed, missing, or not loadable alike
+        (so a lazily loading worker does not tell which folders exist)."""
         served = ", ".join(sorted(self.sources)) or "none"
-        raise WorkerError(404, "model_not_found", f"{field_name}: model {name!r} is not served here "
-                                                  f"(served: {served}); start the worker with --model {name}=PATH",
-                          field_name)
+        shown = repr(name[:100]) + ("..." if len(name) > 100 else "")
+        return WorkerError(404, "model_not_found", f"{field_name}: model {shown} is not served here "
+                                                   f"(served: {served}); start the worker with --model NAME=PATH",
+                           field_name)
 
     def is_served(self, name: str) -> bool:
         return name in self.sources or name in self.hosts
@@ -70,10 +90,13 @@ class Models:
                     make_host = self.cluster.model_host if self.cluster is not None else LocalModelHost
                     host = await asyncio.to_thread(make_host, name, source, self.device, self.dtype,
                                                    self.limits.max_seq_len, self.train_options)
-                except WorkerError:  # e.g. model_not_supported: already says what is missing
-                    raise
                 except Exception as exc:  # noqa: BLE001 - report why the model could not load
-                    raise WorkerError(404 if self.lazy else 500, "model_load_failed",
+                    if name not in self.sources:  # a client's name (--lazy-models): the reason stays in the log
+                        logger.warning("lazily loading %r failed: %s", name[:200], exc)
+                        raise self._not_served(name, field_name) from None
+                    if isinstance(exc, WorkerError):  # e.g. model_not_supported: already says what is missing
+                        raise
+                    raise WorkerError(500, "model_load_failed",
                                       f"{field_name}: could not load model {name!r}: {exc}", field_name) from exc
                 self.queues[name] = ModelQueue(name, asyncio.get_running_loop(),
                                                slice_seconds=self.limits.decode_slice_seconds)
@@ -81,6 +104,14 @@ class Models:
                     self.queues[f"{name}:sampling"] = host.sampling_queue(asyncio.get_running_loop())
                 self.hosts[name] = host
         return self.hosts[name]
+
+    async def lora_layout(self, name: str, owner: str = "") -> dict[str, Layer]:
+        """The model's LoRA-able layers (read once, on the model's thread: PEFT may be wrapping them)."""
+        if name not in self._layouts:
+            host = await self.host(name)
+            layout = await self.run_on_model(name, "adapter_layout", lambda: {"layout": host.lora_layout()}, owner)
+            self._layouts[name] = layout["layout"]
+        return self._layouts[name]
 
     def tokenizer_id(self, name: str) -> str:
         """What a client loads this model's tokenizer from (``AutoTokenizer.from_pretrained``): the operator's

@@ -9,6 +9,7 @@ the worker's limits, the run's adapter.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,12 +28,15 @@ DATUM_OVERHEAD_BYTES = 256  # counted per datum on top of its arrays
 @dataclass(frozen=True)
 class ForwardBatch:
     """A ``forward`` (no gradient) or ``forward_backward`` call: its loss and its datums, each a mapping of
-    ``tokens`` and the loss inputs by name to numpy arrays (see ``validation.validate_rows``)."""
+    ``tokens`` and the loss inputs by name to numpy arrays (see ``validation.validate_rows``). ``loss_scale``
+    multiplies the summed loss whose gradient accumulates (1 for the native and Tinker protocols, whose losses are
+    sums; the PyTRIO protocol's per-call mean passes 1/denominator); metrics are never scaled."""
 
     loss_fn: str
     data: Sequence[Mapping[str, np.ndarray]]
     backward: bool
     loss_fn_config: dict[str, Any] = field(default_factory=dict)
+    loss_scale: float = 1.0
 
     @property
     def kind(self) -> str:
@@ -53,6 +57,8 @@ def prepare_forward(batch: ForwardBatch, host: ModelHost, adapter, limits: Limit
     """Check a forward/forward_backward op (raises a 4xx WorkerError naming the field). Its result:
     ``loss_fn_outputs`` (one dict of numpy arrays per datum) and ``metrics``. Safe to run in a worker thread."""
     loss_fn = batch.loss_fn
+    if not math.isfinite(batch.loss_scale) or batch.loss_scale < 0:
+        raise bad_request("loss_scale", f"must be a finite number >= 0, got {batch.loss_scale}")
     loss_config, fault = faults.split_config(batch.loss_fn_config, fault_injection, batch.backward)
     try:
         config = losses.resolve_loss_config(loss_fn, loss_config)
@@ -62,7 +68,7 @@ def prepare_forward(batch: ForwardBatch, host: ModelHost, adapter, limits: Limit
 
     def run_forward() -> dict:
         with faults.injected(fault, list(adapter.params.values())):
-            out = host.forward_backward(adapter, data, loss_fn, config, batch.backward)
+            out = host.forward_backward(adapter, data, loss_fn, config, batch.backward, batch.loss_scale)
         return {"loss_fn_outputs": out["outputs"], "metrics": out["metrics"]}
 
     nbytes = sum(DATUM_OVERHEAD_BYTES + sum(array.nbytes for array in row.values()) for row in data)

@@ -89,3 +89,44 @@ def check_queued(requests: RequestStore, tenant: str, limit: int) -> None:
         raise WorkerError(429, "too_many_queued_requests",
                           f"limit max_queued_requests={limit} reached: this API key has {limit} requests queued "
                           "or running; retry when some finish (or raise --max-queued-requests)")
+
+
+class ByteBudget:
+    """Bytes held by each tenant's things and by all of them together, within a limit for each (a ``take`` that
+    would pass one is refused with 429 naming it, and changes nothing)."""
+
+    def __init__(self, per_tenant: int, total: int, what: str, per_tenant_name: str, total_name: str) -> None:
+        self.per_tenant, self.total = per_tenant, total
+        self.what, self.per_tenant_name, self.total_name = what, per_tenant_name, total_name
+        self.by_tenant: dict[str, int] = {}
+        self.held = 0
+        self._items: dict[str, tuple[str, int]] = {}
+
+    def take(self, key: str, tenant: str, size: int, needs: str) -> None:
+        """Charge ``size`` bytes for ``key`` to ``tenant`` (``needs``: what they are, for the message)."""
+        mine = self.by_tenant.get(tenant, 0)
+        if mine + size > self.per_tenant:
+            raise WorkerError(429, "memory_budget_exceeded",
+                              f"{self.what}: {needs} needs {size} bytes; this API key's {self.what}s hold {mine} of "
+                              f"its limit {self.per_tenant_name}={self.per_tenant}; delete some or ask for less",
+                              self.what)
+        if self.held + size > self.total:
+            raise WorkerError(429, "memory_budget_exceeded",
+                              f"{self.what}: {needs} needs {size} bytes; the {self.what}s of all API keys hold "
+                              f"{self.held} of the worker's limit {self.total_name}={self.total}; retry later",
+                              self.what)
+        self._items[key] = (tenant, size)
+        self.by_tenant[tenant] = mine + size
+        self.held += size
+
+    def give_back(self, key: str) -> None:
+        item = self._items.pop(key, None)
+        if item is None:
+            return
+        tenant, size = item
+        self.held -= size
+        left = self.by_tenant.get(tenant, 0) - size
+        if left > 0:
+            self.by_tenant[tenant] = left
+        else:
+            self.by_tenant.pop(tenant, None)

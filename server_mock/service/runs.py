@@ -8,6 +8,7 @@ itself (Tinker's per-model gate) hands them over with ``seq_id=None``: next in o
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,9 +21,12 @@ from server_mock.errors import WorkerError, bad_request, not_found
 from server_mock.service.checkpoints import Checkpoints
 from server_mock.service.models import Models
 from server_mock.service.ops import ForwardBatch, PreparedOp, prepare_forward
-from server_mock.service.quotas import check_queued
+from server_mock.lora import BYTES_PER_TRAINED_PARAM, adapter_parameters
+from server_mock.service.quotas import ByteBudget, check_queued
 from server_mock.service.validation import check_adam
 from server_mock.storage.checkpoints import check_name
+
+RUN_ID_RE = re.compile(r"^run-[0-9a-f]{16,32}\Z")
 
 
 @dataclass
@@ -32,6 +36,7 @@ class TrainingRun:
     base_model: str
     spec: LoraSpec
     adapter: Any  # the host's adapter object
+    user_metadata: dict[str, str] | None = None  # a front end's labels (Tinker create_model), kept in checkpoints
     last_seq: int = 0
     seqs: dict[int, tuple[str, str]] = field(default_factory=dict)  # seq_id -> (request_id, body hash)
     admitting: asyncio.Lock = field(default_factory=asyncio.Lock)  # ops from the network, one at a time
@@ -51,12 +56,14 @@ Op = ForwardBatch | OptimStepOp | SaveOp | LoadOp
 
 class Runs:
     def __init__(self, models: Models, requests: RequestStore, checkpoints: Checkpoints, limits: Limits,
-                 fault_injection: bool) -> None:
+                 fault_injection: bool, memory: ByteBudget | None = None) -> None:
         self.models = models
         self.requests = requests
         self.checkpoints = checkpoints
         self.limits = limits
         self.fault_injection = fault_injection
+        # adapter memory, estimated from the model's layout when a run is created
+        self.memory = memory or ByteBudget(1 << 62, 1 << 62, "lora", "max_adapter_bytes", "max_adapter_bytes_total")
         self._runs: dict[str, TrainingRun] = {}
 
     def __len__(self) -> int:
@@ -78,7 +85,11 @@ class Runs:
                               f"limit max_adapters={self.limits.max_adapters} reached on this worker (all tenants); "
                               "retry later or raise --max-adapters")
 
-    async def create(self, body: CreateTrainingRun, tenant: str) -> TrainingRun:
+    async def create(self, body: CreateTrainingRun, tenant: str, new_id: str | None = None) -> TrainingRun:
+        """A new run (``new_id``: its id, chosen by a front end that named the run before it existed; it must be
+        unused and of the form run ids have, ``run-<hex>``)."""
+        if new_id is not None and (new_id in self._runs or not RUN_ID_RE.match(new_id)):
+            raise bad_request("training_run_id", f"{new_id!r} is taken or not a run id (run-<hex>)")
         self._check_quota(tenant)
         meta = ref = None
         store = self.checkpoints.store
@@ -97,7 +108,26 @@ class Runs:
             base_model, spec = body.base_model, body.lora
         self._check_lora(spec)
         host = await self.models.host(base_model)
-        new_id = run_id("run")
+        new_id = new_id or run_id("run")
+        size = await self.adapter_bytes(base_model, spec, tenant)
+        self._check_quota(tenant)  # again: other creates may have finished meanwhile
+        self.memory.take(new_id, tenant, size, f"a rank-{spec.rank} adapter on {base_model} (its weights, gradients "
+                                                f"and AdamW moments, {BYTES_PER_TRAINED_PARAM} bytes a parameter)")
+        try:
+            return await self._create(new_id, tenant, base_model, spec, host, meta, ref, body.load_optimizer)
+        except BaseException:
+            self.memory.give_back(new_id)
+            raise
+
+    async def adapter_bytes(self, base_model: str, spec: LoraSpec, tenant: str = "") -> int:
+        """What a run's adapter of ``spec`` holds on ``base_model``: weights, gradients and AdamW moments."""
+        layout = await self.models.lora_layout(base_model, tenant)
+        host = self.models.loaded(base_model)
+        return BYTES_PER_TRAINED_PARAM * adapter_parameters(layout, host.lora_targets(spec), spec.rank)
+
+    async def _create(self, new_id: str, tenant: str, base_model: str, spec: LoraSpec, host, meta, ref,
+                      load_optimizer: bool) -> TrainingRun:
+        store = self.checkpoints.store
         made: list = []
 
         def create() -> dict:  # on the model's thread: checkpoint files are read there, off the event loop
@@ -105,7 +135,7 @@ class Runs:
             if meta is not None:
                 try:
                     host.load_adapter_weights(adapter, store.read_tensors(ref, "adapter_model.safetensors"))
-                    state = store.read_tensors(ref, "optimizer.safetensors") if body.load_optimizer else None
+                    state = store.read_tensors(ref, "optimizer.safetensors") if load_optimizer else None
                     host.load_optimizer_state(adapter, state)
                 except BaseException:
                     host.drop_adapter(new_id)
@@ -119,6 +149,10 @@ class Runs:
         self._runs[new_id] = run
         return run
 
+    def owned(self, tenant: str) -> list[TrainingRun]:
+        """This tenant's live runs."""
+        return [run for run in self._runs.values() if run.tenant == tenant]
+
     def get(self, training_run_id: str, tenant: str) -> TrainingRun:
         run = self._runs.get(training_run_id)
         if run is None or run.tenant != tenant:
@@ -129,6 +163,7 @@ class Runs:
         run = self.get(training_run_id, tenant)
         host = self.models.loaded(run.base_model)
         del self._runs[training_run_id]
+        self.memory.give_back(training_run_id)
         # in the tenant's lane, so it runs after the run's ops already queued there
         await self.models.run_on_model(run.base_model, "delete_training_run",
                                        lambda: host.drop_adapter(run.run_id) or {}, tenant)

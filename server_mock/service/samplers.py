@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pytrio_compat.wire import CreateSampler, LoraSpec, SampleRequest
@@ -38,7 +39,8 @@ class Sampler:
 
 class Samplers:
     def __init__(self, models: Models, requests: RequestStore, checkpoints: Checkpoints, limits: Limits,
-                 allow_adapter_dirs: list[str] | None = None) -> None:
+                 allow_adapter_dirs: list[str] | None = None,
+                 dropped: Callable[[str], None] | None = None) -> None:
         self.models = models
         self.requests = requests
         self.checkpoints = checkpoints
@@ -49,6 +51,7 @@ class Samplers:
         self._samplers: TenantLRU[Sampler] = TenantLRU(limits.max_samplers)
         self._local_snapshots: TenantLRU[Snapshot] = TenantLRU(limits.max_snapshots)
         self._layouts: dict[str, dict[str, Layer]] = {}
+        self._dropped = dropped  # told the id of each sampler the cache drops (its records go with it)
 
     async def create(self, body: CreateSampler, tenant: str) -> Sampler:
         base_model = body.base_model
@@ -70,7 +73,9 @@ class Samplers:
         return self._add(Sampler(run_id("sampler"), tenant, base_model, body.model_path))
 
     def _add(self, sampler: Sampler) -> Sampler:
-        self._samplers.put(sampler.sampler_id, sampler.tenant, sampler)  # drops this tenant's least recently used
+        evicted = self._samplers.put(sampler.sampler_id, sampler.tenant, sampler)  # this tenant's least recently used
+        for sampler_id in evicted if self._dropped else ():
+            self._dropped(sampler_id)
         return sampler
 
     async def _create_local(self, body: CreateSampler, tenant: str) -> Sampler:
@@ -83,10 +88,7 @@ class Samplers:
                                                 f"{hint!r}, which this worker does not serve)")
             base_model = hint
         host = await self.models.host(base_model)
-        if base_model not in self._layouts:
-            layout = await self.models.run_on_model(base_model, "adapter_layout",
-                                                    lambda: {"layout": host.lora_layout()}, tenant)
-            self._layouts[base_model] = layout["layout"]
+        self._layouts[base_model] = await self.models.lora_layout(base_model, tenant)
         sampler = Sampler(run_id("sampler"), tenant, base_model, str(folder))
         await asyncio.to_thread(self._local_snapshot, sampler, host)  # check it now, once
         return self._add(sampler)
@@ -100,6 +102,11 @@ class Samplers:
             self._local_snapshots.put(key, sampler.tenant, snap)
         return snap
 
+    def drop(self, sampler_id: str, tenant: str) -> None:
+        """Forget a sampler (a front end whose clients never close theirs releases them); its weights stay."""
+        if self._samplers.owner(sampler_id) == tenant:
+            self._samplers.pop(sampler_id)
+
     def get(self, sampler_id: str, tenant: str) -> Sampler:
         sampler = self._samplers.get(sampler_id)
         if sampler is None or sampler.tenant != tenant:
@@ -108,13 +115,17 @@ class Samplers:
 
     def _weights_for(self, sampler: Sampler, host: ModelHost):
         """(batch key, loader): the loader returns the sampler's Snapshot (None: the base model) and runs on
-        the model's thread. Weights that are gone are a 404 now, not a failed request later."""
+        the model's thread. Weights that are gone are a 404 now, not a failed request later. ``submit`` adds the
+        tenant to the key (unless ``--batch-across-tenants``): requests of different tenants are then never decoded
+        in one batch, so nothing in an answer (its ``batch_requests``, its timings, its logprobs' last bits)
+        depends on another tenant's traffic."""
         if sampler.model_path is None:
             return f"{sampler.base_model}:base", lambda: None
         if peft_folders.is_local_path(sampler.model_path):
             key = f"{sampler.base_model}:local:{sampler.tenant}:{sampler.model_path}"
             return key, lambda: self._local_snapshot(sampler, host)
         snapshots = self.checkpoints.snapshots
+        self.checkpoints.drop_if_expired(sampler.model_path)
         cached = snapshots.get(sampler.model_path)
         if cached is not None:
             snap = cached[1]
@@ -135,6 +146,7 @@ class Samplers:
             spec = LoraSpec.model_validate(meta["lora"])
             tensors = store.read_tensors(ref, "adapter_model.safetensors")
             snap = Snapshot(hashlib.sha256(ref.path.encode()).hexdigest()[:16], spec, host.lora_targets(spec), tensors)
+            self.checkpoints.remember_expiry(sampler.model_path, meta)
             snapshots.put(sampler.model_path, sampler.tenant, (sampler.base_model, snap))
             return snap
 
@@ -146,7 +158,8 @@ class Samplers:
         check_queued(self.requests, tenant, self.limits.max_queued_requests)
         host = self.models.loaded(sampler.base_model)
         spec = validate_sample(request, host, self.limits)
-        batch_key, load = self._weights_for(sampler, host)
+        weights_key, load = self._weights_for(sampler, host)
+        batch_key = weights_key if self.limits.batch_across_tenants else f"{tenant}|{weights_key}"
         return_text = request.return_text
 
         def run_sample() -> dict:

@@ -18,22 +18,29 @@ from server_mock.training import losses
 
 def validate_sample(request: SampleRequest, host: ModelHost, limits: Limits) -> SampleSpec:
     params = request.sampling_params
-    prompt = np.asarray(request.prompt_tokens, dtype=np.int64)
+    prompt = token_array(request.prompt_tokens, host.vocab_size, "prompt_tokens")
     if len(prompt) == 0:
         raise bad_request("prompt_tokens", "prompt cannot be empty")
     check_vocab(prompt, host.vocab_size, "prompt_tokens", allow_ignore=False)
     if not 1 <= request.num_samples <= limits.max_num_samples:
         raise WorkerError(413 if request.num_samples > 0 else 400, "invalid_num_samples",
                           f"num_samples: must be in [1, {limits.max_num_samples}] (limit max_num_samples), "
-                          f"got {request.num_samples}", "num_samples")
+                          f"got {describe_int(request.num_samples)}", "num_samples")
     if not 1 <= params.max_tokens <= limits.max_sample_tokens:
         raise WorkerError(413 if params.max_tokens > 0 else 400, "invalid_max_tokens",
                           f"sampling_params.max_tokens: must be in [1, {limits.max_sample_tokens}] "
-                          f"(limit max_sample_tokens), got {params.max_tokens}", "sampling_params.max_tokens")
+                          f"(limit max_sample_tokens), got {describe_int(params.max_tokens)}",
+                          "sampling_params.max_tokens")
     if len(prompt) + params.max_tokens > host.max_seq_len:
         raise WorkerError(413, "sequence_too_long",
                           f"sampling_params.max_tokens: prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) "
                           f"exceeds max_seq_len={host.max_seq_len}", "sampling_params.max_tokens")
+    total = request.num_samples * (len(prompt) + params.max_tokens)
+    if total > limits.max_sample_request_tokens:  # how long the request may hold the model
+        raise WorkerError(413, "request_too_large",
+                          f"num_samples: {request.num_samples} samples x (prompt {len(prompt)} + max_tokens "
+                          f"{params.max_tokens}) = {total} tokens exceeds limit max_sample_request_tokens="
+                          f"{limits.max_sample_request_tokens}; send fewer samples per request", "num_samples")
     if not math.isfinite(params.temperature) or params.temperature < 0:
         raise bad_request("sampling_params.temperature", f"must be a finite number >= 0, got {params.temperature}")
     if not math.isfinite(params.top_p) or not 0 < params.top_p <= 1:
@@ -48,8 +55,8 @@ def validate_sample(request: SampleRequest, host: ModelHost, limits: Limits) -> 
             raise WorkerError(413, "too_many_stop_token_ids",
                               f"sampling_params.stop_token_ids: {len(params.stop_token_ids)} ids exceeds limit "
                               f"max_stop_token_ids={limits.max_stop_token_ids}", "sampling_params.stop_token_ids")
-        check_vocab(np.asarray(params.stop_token_ids, dtype=np.int64), host.vocab_size,
-                    "sampling_params.stop_token_ids", allow_ignore=False)
+        check_vocab(token_array(params.stop_token_ids, host.vocab_size, "sampling_params.stop_token_ids"),
+                    host.vocab_size, "sampling_params.stop_token_ids", allow_ignore=False)
         stop_ids = list(params.stop_token_ids)
     else:
         stop_ids = host.stop_token_ids()
@@ -92,6 +99,7 @@ def validate_rows(loss_fn: str, data: Sequence[Mapping[str, np.ndarray]], host: 
     optional = losses.OPTIONAL_INPUTS[loss_fn]
     out = []
     total = 0
+    cells = 0
     for i, datum in enumerate(data):
         where = f"data[{i}]"
         tokens = datum["tokens"]
@@ -106,21 +114,56 @@ def validate_rows(loss_fn: str, data: Sequence[Mapping[str, np.ndarray]], host: 
         row = {"tokens": tokens}
         for key in required + optional:
             if key not in datum:
+                if key in losses.RECORDED_INPUTS:
+                    raise bad_request(f"{where}.loss_fn_inputs.{key}", RECORDED_HINT)
                 if key in required:
                     raise bad_request(f"{where}.loss_fn_inputs.{key}",
                                       f"required by loss {loss_fn!r} (needs {', '.join(required)})")
                 continue
-            row[key] = _loss_input(datum[key], key, n, f"{where}.loss_fn_inputs.{key}", host)
+            soft = key in losses.SOFT_TARGET_INPUTS.get(loss_fn, ())
+            row[key] = _loss_input(datum[key], key, n, f"{where}.loss_fn_inputs.{key}", host,
+                                   limits.max_target_k if soft else 0)
+        if any(row[key].ndim == 2 for key in losses.SOFT_TARGET_INPUTS.get(loss_fn, ()) if key in row):
+            cells += _check_soft_targets(row, where)
         out.append(row)
     if total > limits.max_tokens_per_request:
         raise WorkerError(413, "request_too_large", f"data: {total} tokens exceeds limit "
                                                     f"max_tokens_per_request={limits.max_tokens_per_request}", "data")
+    if cells > limits.max_target_cells:
+        raise WorkerError(413, "request_too_large", f"data: {cells} soft-target cells (N x K, all datums) exceeds "
+                                                    f"limit max_target_cells={limits.max_target_cells}", "data")
     return out
 
 
-def _loss_input(value: np.ndarray, key: str, n: int, where: str, host: ModelHost) -> np.ndarray:
-    if value.shape != (n,):
-        raise bad_request(where, f"must have shape [{n}] (the length of the tokens), got {list(value.shape)}")
+RECORDED_HINT = ("filled in by the worker from what it recorded at sampling time, never sent: sample with "
+                 "record_stability_info=True and name each datum's sampled sequences in its provenance spans "
+                 "(Datum.with_provenance; the Tinker protocol, /api/v1)")
+
+
+def _check_soft_targets(row: dict[str, np.ndarray], where: str) -> int:
+    """Soft targets [N, K] and their weights come together, of one shape; returns N x K."""
+    targets, weights = row["target_tokens"], row.get("weights")
+    if targets.ndim == 1:
+        raise bad_request(f"{where}.loss_fn_inputs.weights", f"weights of shape {list(weights.shape)} need "
+                                                              "target_tokens of the same shape (soft targets)")
+    if weights is None or weights.shape != targets.shape:
+        got = "none" if weights is None else list(weights.shape)
+        raise bad_request(f"{where}.loss_fn_inputs.weights", f"soft targets of shape {list(targets.shape)} need "
+                                                              f"weights of the same shape, got {got}")
+    return targets.size
+
+
+def _loss_input(value: np.ndarray, key: str, n: int, where: str, host: ModelHost, max_k: int = 0) -> np.ndarray:
+    """One loss input, checked: shape [n] (or [n, K], 1 <= K <= ``max_k``, where K values per position are
+    allowed), dtype, vocabulary and finiteness."""
+    if max_k and value.ndim == 2 and value.shape[0] == n:
+        if not 1 <= value.shape[1] <= max_k:
+            raise WorkerError(413 if value.shape[1] > max_k else 400, "invalid_soft_targets",
+                              f"{where}: K = {value.shape[1]} values per position must be in [1, {max_k}] "
+                              f"(limit max_target_k)", where)
+    elif value.shape != (n,):
+        two_d = f" or [{n}, K]" if max_k else ""
+        raise bad_request(where, f"must have shape [{n}]{two_d} (the length of the tokens), got {list(value.shape)}")
     if key == "target_tokens":
         if value.dtype != np.int64:
             raise bad_request(where, "must be int64 token ids")
@@ -128,9 +171,26 @@ def _loss_input(value: np.ndarray, key: str, n: int, where: str, host: ModelHost
         return value
     value = value.astype(np.float32)
     if not np.isfinite(value).all():
-        bad = int(np.flatnonzero(~np.isfinite(value))[0])
-        raise bad_request(where, f"must be finite; position {bad} is {value[bad]}")
+        bad = int(np.flatnonzero(~np.isfinite(value.reshape(-1)))[0])
+        cell = np.unravel_index(bad, value.shape)
+        at = f"position {cell[0]}" if value.ndim == 1 else f"cell {list(map(int, cell))}"
+        raise bad_request(where, f"must be finite; {at} is {value.reshape(-1)[bad]}")
     return value
+
+
+def describe_int(value: int) -> str:
+    """An integer for a message: its digits, or its size when it has too many to print."""
+    return str(value) if -(2**64) < value < 2**64 else f"{'-' if value < 0 else ''}(a {value.bit_length()}-bit integer)"
+
+
+def token_array(ids: Sequence[int], vocab_size: int, field_name: str) -> np.ndarray:
+    """Token ids as int64; an id that does not even fit in 64 bits is refused like any id outside the vocabulary."""
+    try:
+        return np.asarray(ids, dtype=np.int64)
+    except OverflowError:
+        pos = next(i for i, t in enumerate(ids) if not -(2**63) <= t < 2**63)
+        raise bad_request(field_name, f"token id {describe_int(ids[pos])} at position {pos} is outside the "
+                                      f"vocabulary [0, {vocab_size})", code="token_id_out_of_range") from None
 
 
 def check_vocab(ids: np.ndarray, vocab_size: int, field_name: str, allow_ignore: bool) -> None:
@@ -138,9 +198,11 @@ def check_vocab(ids: np.ndarray, vocab_size: int, field_name: str, allow_ignore:
     if allow_ignore:
         bad &= ids != losses.IGNORE_INDEX
     if bad.any():
-        pos = int(np.flatnonzero(bad)[0])
+        flat = int(np.flatnonzero(bad.reshape(-1))[0])
+        cell = np.unravel_index(flat, ids.shape)
+        at = f"position {int(cell[0])}" if ids.ndim == 1 else f"cell {[int(c) for c in cell]}"
         hint = " (use -100 to ignore a position)" if allow_ignore else ""
-        raise bad_request(field_name, f"token id {int(ids[pos])} at position {pos} is outside the vocabulary "
+        raise bad_request(field_name, f"token id {int(ids.reshape(-1)[flat])} at {at} is outside the vocabulary "
                                       f"[0, {vocab_size}){hint}", code="token_id_out_of_range")
 
 

@@ -4,6 +4,10 @@ Layout: ``<storage>/checkpoints/<run_id>/<kind>/<name>/`` with kind ``state`` (w
 ``sampler`` (weights only). The weights are a standard PEFT adapter folder (``adapter_model.safetensors``
 + ``adapter_config.json``), so a saved adapter loads in plain PEFT or vLLM as-is. Writes go to a
 temporary folder that is fsynced and renamed into place: a checkpoint is whole or absent.
+
+Expiry: a checkpoint saved with ``ttl_seconds`` (or given one later, ``set_expiry``) carries ``expires_at`` in its
+``meta.json``. From that moment it is absent to every reader (``exists``, ``read_meta``, ``list``), and the
+worker's sweeper deletes its folder (``sweep_expired``, every ``--checkpoint-sweep-seconds``).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,9 +27,10 @@ from safetensors.torch import load_file, save_file
 
 from server_mock.errors import WorkerError, bad_request
 
-NAME_RE = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9_-])?$")
-RUN_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
-PATH_RE = re.compile(r"^trio://(?P<run>[^/]+)/(?P<kind>state|sampler)/(?P<name>[^/]+)$")
+# anchored with \Z, not $ (which also matches before a trailing newline), so .match and .fullmatch both hold
+NAME_RE = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9_-])?\Z")
+RUN_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}\Z")
+PATH_RE = re.compile(r"^trio://(?P<run>[^/]+)/(?P<kind>state|sampler)/(?P<name>[^/]+)\Z")
 KINDS = ("state", "sampler")
 
 
@@ -40,47 +46,121 @@ class CheckpointRef:
 
 
 def parse_path(path: str, field: str = "path") -> CheckpointRef:
-    match = PATH_RE.match(path or "")
-    if not match or not RUN_RE.match(match["run"]) or not NAME_RE.match(match["name"]) or len(match["name"]) > 200:
-        raise bad_request(field, f"{path!r} is not a checkpoint path of this worker; expected trio://<run>/"
+    match = PATH_RE.fullmatch(path) if isinstance(path, str) else None
+    if not match or not RUN_RE.fullmatch(match["run"]) or not NAME_RE.fullmatch(match["name"]) \
+            or len(match["name"]) > 200:
+        raise bad_request(field, f"{_clip(path)} is not a checkpoint path of this worker; expected trio://<run>/"
                                  "<state|sampler>/<name> as returned by save_state/save_weights_for_sampler",
                           code="invalid_checkpoint_path")
     return CheckpointRef(match["run"], match["kind"], match["name"])
 
 
 def check_name(name: str, field: str = "name") -> str:
-    if not isinstance(name, str) or not NAME_RE.match(name) or len(name) > 200:
-        raise bad_request(field, f"invalid checkpoint name {name!r}: use letters, digits, '.', '_', '-', "
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name) or len(name) > 200:
+        raise bad_request(field, f"invalid checkpoint name {_clip(name)}: use letters, digits, '.', '_', '-', "
                                  "starting with a letter or digit", code="invalid_checkpoint_name")
     return name
 
 
+def expires_at(meta: dict) -> float | None:
+    """When a checkpoint expires (seconds since the epoch), or None: ``expires_at``, else (checkpoints written
+    before it was stored) ``created_at + ttl_seconds``."""
+    if "expires_at" in meta:
+        return meta["expires_at"]
+    ttl = meta.get("ttl_seconds")
+    return meta.get("created_at", 0.0) + ttl if ttl else None
+
+
+def is_expired(meta: dict, now: float | None = None) -> bool:
+    when = expires_at(meta)
+    return when is not None and when <= (time.time() if now is None else now)
+
+
 class CheckpointStore:
+    """Checkpoints under ``root``. Which runs hold a tenant's checkpoints is kept in memory (read from the
+    runs' metadata once, on the first listing, then kept up to date by every write), so listing one tenant's
+    checkpoints reads only that tenant's folders."""
+
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
         (self.root / "checkpoints").mkdir(parents=True, exist_ok=True)
+        self._runs_of: dict[str, set[str]] | None = None  # tenant -> run ids with checkpoints
+        self._index_lock = threading.Lock()
+
+    def build_index(self) -> None:
+        """Read which tenant each run with checkpoints belongs to (one metadata file per run)."""
+        runs_of: dict[str, set[str]] = {}
+        base = self.root / "checkpoints"
+        for run in base.iterdir():
+            if not run.is_dir() or not RUN_RE.fullmatch(run.name):
+                continue
+            owner = self._run_owner(run)
+            if owner is not None:
+                runs_of.setdefault(owner, set()).add(run.name)
+        with self._index_lock:
+            self._runs_of = runs_of
+
+    @staticmethod
+    def _run_owner(run: Path) -> str | None:
+        for kind in KINDS:
+            folder = run / kind
+            if not folder.is_dir():
+                continue
+            for ckpt in folder.iterdir():
+                meta = ckpt / "meta.json"
+                if not ckpt.name.startswith(".") and meta.exists():
+                    try:
+                        return json.loads(meta.read_text()).get("tenant", "")
+                    except (OSError, ValueError):
+                        continue
+        return None
+
+    def runs_of(self, tenant: str) -> list[str]:
+        """The runs that hold (or held) checkpoints of ``tenant``."""
+        if self._runs_of is None:
+            self.build_index()
+        with self._index_lock:
+            return sorted(self._runs_of.get(tenant, ()))
+
+    def _index(self, run_id: str, tenant: str) -> None:
+        with self._index_lock:
+            if self._runs_of is not None:
+                self._runs_of.setdefault(tenant, set()).add(run_id)
 
     def folder(self, ref: CheckpointRef) -> Path:
         return self.root / "checkpoints" / ref.run_id / ref.kind / ref.name
 
+    def _meta_or_none(self, ref: CheckpointRef) -> dict | None:
+        """Its metadata, or None when it is absent or expired."""
+        path = self.folder(ref) / "meta.json"
+        try:
+            meta = json.loads(path.read_text())
+        except FileNotFoundError:
+            return None
+        return None if is_expired(meta) else meta
+
     def exists(self, ref: CheckpointRef) -> bool:
-        return (self.folder(ref) / "meta.json").exists()
+        return self._meta_or_none(ref) is not None
 
     def write(self, ref: CheckpointRef, meta: dict, tensors: dict[str, dict[str, torch.Tensor]],
               files: dict[str, str], overwrite: bool = False) -> int:
         """Write tensor files (name -> state dict) and text files atomically; return the size in bytes."""
         final = self.folder(ref)
-        if final.exists() and not overwrite:
+        if final.exists() and not overwrite and self.exists(ref):  # an expired one is gone: its name is free
             raise WorkerError(409, "checkpoint_exists", f"name: checkpoint {ref.path} already exists; "
                                                         "pass overwrite=True or choose another name", "name")
         final.parent.mkdir(parents=True, exist_ok=True)
+        self._index(ref.run_id, meta.get("tenant", ""))
         tmp = Path(tempfile.mkdtemp(prefix=f".{ref.name}.tmp-", dir=final.parent))
         try:
             for filename, state in tensors.items():
                 save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(tmp / filename))
             for filename, text in files.items():
                 (tmp / filename).write_text(text)
-            (tmp / "meta.json").write_text(json.dumps({**meta, "created_at": time.time()}, indent=1))
+            created = time.time()
+            ttl = meta.get("ttl_seconds")
+            stamped = {**meta, "created_at": created, "expires_at": created + ttl if ttl else None}
+            (tmp / "meta.json").write_text(json.dumps(stamped, indent=1))
             for item in tmp.iterdir():
                 _fsync(item)
             _fsync(tmp)
@@ -98,10 +178,28 @@ class CheckpointStore:
         return sum(f.stat().st_size for f in final.iterdir())
 
     def read_meta(self, ref: CheckpointRef) -> dict:
-        path = self.folder(ref) / "meta.json"
-        if not path.exists():
+        meta = self._meta_or_none(ref)
+        if meta is None:
             raise WorkerError(404, "checkpoint_not_found", f"path: no checkpoint at {ref.path}", "path")
-        return json.loads(path.read_text())
+        return meta
+
+    def set_expiry(self, ref: CheckpointRef, when: float | None) -> dict:
+        """Give a checkpoint a new expiry time (None: it never expires); its metadata is replaced atomically.
+        Returns the new metadata."""
+        meta = {**self.read_meta(ref), "expires_at": when}
+        folder = self.folder(ref)
+        fd, tmp = tempfile.mkstemp(prefix=".meta-", dir=folder)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(meta, indent=1))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, folder / "meta.json")
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        _fsync(folder)
+        return meta
 
     def read_tensors(self, ref: CheckpointRef, filename: str) -> dict[str, torch.Tensor]:
         path = self.folder(ref) / filename
@@ -123,11 +221,19 @@ class CheckpointStore:
             raise WorkerError(404, "checkpoint_not_found", f"path: no checkpoint at {ref.path}", "path")
         shutil.rmtree(self.folder(ref))
 
-    def list(self, run_id: str | None = None) -> list[tuple[CheckpointRef, dict, int]]:
+    def list(self, run_id: str | None = None, tenant: str | None = None, include_expired: bool = False
+             ) -> list[tuple[CheckpointRef, dict, int]]:
+        """(ref, metadata, size in bytes) of the checkpoints of one run, of the runs of one tenant, or all; expired
+        ones left out unless asked."""
         base = self.root / "checkpoints"
-        if run_id and not RUN_RE.match(run_id):
-            raise bad_request("training_run_id", f"invalid run id {run_id!r}")
-        runs = [base / run_id] if run_id else sorted(p for p in base.iterdir() if p.is_dir())
+        if run_id and not RUN_RE.fullmatch(run_id):
+            raise bad_request("training_run_id", f"invalid run id {run_id[:80]!r}")
+        if run_id:
+            runs = [base / run_id]
+        elif tenant is not None:
+            runs = [base / run for run in self.runs_of(tenant)]
+        else:
+            runs = sorted(p for p in base.iterdir() if p.is_dir())
         runs = [r for r in runs if r.is_dir()]
         out = []
         for run in runs:
@@ -138,20 +244,23 @@ class CheckpointStore:
                 for ckpt in sorted(folder.iterdir()):
                     if ckpt.name.startswith(".") or not (ckpt / "meta.json").exists():
                         continue
-                    ref = CheckpointRef(run.name, kind, ckpt.name)
-                    size = sum(f.stat().st_size for f in ckpt.iterdir())
-                    out.append((ref, json.loads((ckpt / "meta.json").read_text()), size))
+                    try:
+                        meta = json.loads((ckpt / "meta.json").read_text())
+                        size = sum(f.stat().st_size for f in ckpt.iterdir())
+                    except FileNotFoundError:  # deleted while listed
+                        continue
+                    if include_expired or not is_expired(meta):
+                        out.append((CheckpointRef(run.name, kind, ckpt.name), meta, size))
         return out
 
-    def sweep_expired(self) -> int:
-        """Delete checkpoints whose ttl_seconds has passed; returns how many."""
-        removed = 0
+    def sweep_expired(self) -> list[CheckpointRef]:
+        """Delete the checkpoints whose expiry time has passed; returns them."""
+        removed = []
         now = time.time()
-        for ref, meta, _ in self.list():
-            ttl = meta.get("ttl_seconds")
-            if ttl and meta.get("created_at", now) + ttl < now:
+        for ref, meta, _ in self.list(include_expired=True):
+            if is_expired(meta, now):
                 shutil.rmtree(self.folder(ref), ignore_errors=True)
-                removed += 1
+                removed.append(ref)
         return removed
 
 
@@ -161,3 +270,9 @@ def _fsync(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _clip(value: object) -> str:
+    """A sent value for a message: its repr, cut to 100 characters."""
+    text = repr(value[:100] if isinstance(value, str) else value)
+    return text if len(text) <= 103 else text[:100] + "..."

@@ -18,6 +18,7 @@ import json
 import math
 import os
 import re
+import time
 from pathlib import Path
 
 import torch
@@ -28,9 +29,11 @@ from pytrio_compat.wire import LoraSpec
 from server_mock.errors import WorkerError, bad_request
 from server_mock.lora import LORA_ALPHA, Layer, Snapshot, lora_config
 
+PATTERN_SECONDS = 1.0  # a string target_modules, against all the layer names of a model
+PATTERN_SECONDS_PER_NAME = 0.05  # ... and against one (a real pattern takes microseconds)
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-KEY_RE = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
+KEY_RE = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight\Z")
 # LoraConfig features the worker's layout cannot reproduce: each must be off/empty
 UNSUPPORTED = {"use_dora": False, "fan_in_fan_out": False, "modules_to_save": None, "rank_pattern": {},
                "alpha_pattern": {}, "layers_to_transform": None, "lora_bias": False, "target_parameters": None,
@@ -88,6 +91,32 @@ def fingerprint(folder: Path) -> str:
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
+def _pattern_matches(pattern: str, names: list[str], reject) -> bool:
+    """Whether PEFT's string ``target_modules`` (a regular expression, full-matched) matches one of ``names``,
+    within ``PATTERN_SECONDS`` for all of them: a pattern like ``(.*?){12}Z`` backtracks for days. The ``regex``
+    package takes a timeout (and releases the GIL while matching); ``re`` has neither."""
+    import regex
+
+    try:
+        compiled = regex.compile(pattern)
+    except (regex.error, OverflowError, RecursionError) as exc:
+        raise reject("target_modules", f"is not a valid regular expression ({exc})") from None
+    deadline = time.monotonic() + PATTERN_SECONDS
+    try:
+        for name in names:
+            # regex checks its timeout only now and then (it overshoots ~5x): a short one per name, and our own
+            # clock for all of them
+            if time.monotonic() > deadline:
+                raise TimeoutError
+            if compiled.fullmatch(name, timeout=PATTERN_SECONDS_PER_NAME, concurrent=True):
+                return True
+    except TimeoutError:
+        raise reject("target_modules", f"the pattern took too long to match this model's layer names (limit "
+                                       f"{PATTERN_SECONDS_PER_NAME:g} s a name, {PATTERN_SECONDS:g} s in all); give "
+                                       "a list of layer names instead") from None
+    return False
+
+
 def load(folder: Path, model_name: str, layout: dict[str, Layer], max_rank: int, field: str = "model_path"
          ) -> Snapshot:
     """Read, check and convert the adapter into a sampler snapshot on the LoRA layout of the model ``model_name``
@@ -119,8 +148,8 @@ def load(folder: Path, model_name: str, layout: dict[str, Layer], max_rank: int,
             raise reject(key, f"is not supported by this worker (got {value!r})")
     targets = config.get("target_modules")
     if isinstance(targets, str):
-        if not any(re.fullmatch(targets, name) for name in layout):
-            raise reject("target_modules", f"pattern {targets!r} matches no LoRA-able layer of {model_name}")
+        if not _pattern_matches(targets, list(layout), reject):
+            raise reject("target_modules", f"pattern {targets[:100]!r} matches no LoRA-able layer of {model_name}")
     elif isinstance(targets, list):
         for target in targets:
             if not any(name == target or name.endswith(f".{target}") for name in layout):
@@ -136,7 +165,7 @@ def load(folder: Path, model_name: str, layout: dict[str, Layer], max_rank: int,
                           code="invalid_adapter") from None
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
-        match = KEY_RE.match(key)
+        match = KEY_RE.fullmatch(key)
         if not match:
             raise bad_request(field, f"{WEIGHTS_FILE} has an unexpected tensor {key!r} (expected "
                                      "base_model.model.<layer>.lora_A/lora_B.weight)", code="invalid_adapter")

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import re
 import time
 
 import httpx
@@ -98,19 +100,28 @@ def test_retry_max_attempts_bounds_the_tokenizer_download(worker):
     assert rec.tokenizer_attempts == 3 and len(tokenizer) > 0
 
 
-def test_backoff_options_shape_the_retries_and_each_window_ends_them(worker):
+def test_backoff_options_shape_the_retries_and_each_window_ends_them(worker, caplog):
     trio.configure(retry_initial_delay_seconds=0.05, retry_multiplier=3, retry_max_delay_seconds=0.3,
                    retry_jitter_ratio=0, control_retry_timeout_seconds=1.0)
     rec = Recorder(fail_suffix="/capabilities")
+    sdk_logger = logging.getLogger("pytrio_compat")  # the SDK's own logger does not propagate to the root
+    level = sdk_logger.level
+    sdk_logger.addHandler(caplog.handler)
     with trio.ServiceClient(base_url=worker.base_url, _transport=rec) as service:
+        sdk_logger.setLevel(logging.DEBUG)
         started = time.monotonic()
         with pytest.raises(APIError) as info:
             service.get_server_capabilities()
         elapsed = time.monotonic() - started
+    sdk_logger.removeHandler(caplog.handler)
+    sdk_logger.setLevel(level)
     assert info.value.status_code == 503 and 0.9 < elapsed < 1.6
-    gaps = [b - a for a, b in zip(rec.failed_at, rec.failed_at[1:])]
+    # the delays the client asked for, as it logged them (not wall-clock gaps, which load stretches)
+    asked = [float(m.group(1)) for r in caplog.records
+             if (m := re.match(r"retrying .* in ([0-9.]+)s after", r.getMessage()))]
     expected = [0.05, 0.15, 0.3, 0.3]  # x3 each time, capped at 0.3, no jitter
-    assert len(gaps) >= 4 and all(abs(g - e) < 0.04 for g, e in zip(gaps, expected)), gaps
+    assert asked[:4] == expected, asked
+    assert len(rec.failed_at) == len(asked) + 1  # one more attempt than waits: the last one ends the window
     for window, suffix, call in [
         ("sampling_retry_timeout_seconds", "/sample",
          lambda s: s.create_sampling_client(base_model="tiny").sample(

@@ -27,6 +27,16 @@ def _env(**extra: str) -> dict[str, str]:
     return {**env, **extra}
 
 
+@pytest.fixture()
+def no_real_pytrio(tmp_path) -> str:
+    """A PYTHONPATH entry under which no real ``pytrio`` is importable, even where one is installed (the dev extra
+    installs the official SDK): its ``sitecustomize`` marks the name absent, as an environment without it would be."""
+    site = tmp_path / "no-real-pytrio"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import sys\nsys.modules['pytrio'] = None\n")
+    return str(site)
+
+
 def _run(cmd: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=300)
 
@@ -42,10 +52,10 @@ def fake_real_pytrio(tmp_path):
     return site
 
 
-def test_run_executes_an_unmodified_pytrio_script_against_the_worker(worker, tmp_path):
+def test_run_executes_an_unmodified_pytrio_script_against_the_worker(worker, no_real_pytrio, tmp_path):
     out = tmp_path / "out.json"
     result = _run([str(CLI), "run", str(HERE / "pytrio_script.py"), str(out), "tiny"],
-                  _env(PYTRIO_BASE_URL=worker.base_url), tmp_path)
+                  _env(PYTRIO_BASE_URL=worker.base_url, PYTHONPATH=no_real_pytrio), tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["module"] == "pytrio_compat" and report["types_module"] == "pytrio_compat.types"
@@ -57,19 +67,21 @@ def test_run_executes_an_unmodified_pytrio_script_against_the_worker(worker, tmp
     assert report["caught"] == "validation.empty_training_data"  # pytrio.errors.base.ValidationError
 
 
-def test_module_entry_point_passes_arguments_and_exit_codes(tmp_path):
+def test_module_entry_point_passes_arguments_and_exit_codes(no_real_pytrio, tmp_path):
     script = tmp_path / "probe.py"
     script.write_text(PROBE + "sys.exit(int(sys.argv[1]))\n")
-    result = _run([sys.executable, "-m", "pytrio_compat", "run", str(script), "3", "--flag"], _env(), tmp_path)
+    result = _run([sys.executable, "-m", "pytrio_compat", "run", str(script), "3", "--flag"],
+                  _env(PYTHONPATH=no_real_pytrio), tmp_path)
     assert result.returncode == 3, result.stderr
     assert result.stdout.split() == ["False", "pytrio_compat", pytrio_compat.__version__, "['3',", "'--flag']"]
     missing = _run([sys.executable, "-m", "pytrio_compat", "run", str(tmp_path / "nope.py")], _env(), tmp_path)
     assert missing.returncode == 2 and "no such script" in missing.stderr
 
 
-def test_plain_imports_never_get_the_alias(fake_real_pytrio, tmp_path):
+def test_plain_imports_never_get_the_alias(fake_real_pytrio, no_real_pytrio, tmp_path):
     alone = _run([sys.executable, "-c", "import pytrio_compat, importlib.util; "
-                                        "print(importlib.util.find_spec('pytrio'))"], _env(), tmp_path)
+                                        "print(importlib.util.find_spec('pytrio'))"],
+                 _env(PYTHONPATH=no_real_pytrio), tmp_path)
     assert alone.returncode == 0 and alone.stdout.strip() == "None", alone.stderr
     beside = _run([sys.executable, "-c", "import pytrio_compat, pytrio_compat.cli\n" + PROBE],
                   _env(PYTHONPATH=str(fake_real_pytrio)), tmp_path)

@@ -71,3 +71,20 @@ def test_bad_address_is_refused_naming_it():
     with pytest.raises(ClusterError, match=r"cannot reach the Ray cluster at 127\.0\.0\.1:1 "):
         check_reachable("127.0.0.1:1", 1.0)
 
+
+
+def test_merge_adds_kl_and_entropy_sums_and_recomputes_their_means():
+    """With kl_coef / return_entropy each rank reports sums over its counted tokens; the call's means are the
+    merged sums over the merged token count (not a mean of means)."""
+    shards = [[0], [1]]
+    results = [
+        {"outputs": [{"a": 0}], "metrics": {"loss_sum": 1.0, "token_count": 3.0, "kl_sum": 0.3, "entropy_sum": 6.0}},
+        {"outputs": [{"a": 1}], "metrics": {"loss_sum": 2.0, "token_count": 1.0, "kl_sum": 0.5, "entropy_sum": 1.0}},
+    ]
+    metrics = merge_results(shards, results, 2)["metrics"]
+    assert metrics["kl_sum"] == pytest.approx(0.8) and metrics["kl_mean"] == pytest.approx(0.2)
+    assert metrics["entropy_sum"] == pytest.approx(7.0) and metrics["entropy_mean"] == pytest.approx(1.75)
+    assert metrics["kl:mean"] == metrics["kl_mean"] and metrics["entropy:sum"] == metrics["entropy_sum"]
+    plain = merge_results(shards, [{"outputs": r["outputs"], "metrics": {"loss_sum": 1.0, "token_count": 2.0}}
+                                   for r in results], 2)["metrics"]
+    assert set(plain) == {"loss_sum", "loss_mean", "token_count", "loss:sum"}

@@ -69,6 +69,16 @@ OP_CASES = [
     ("ppo low > high", fb(config={"clip_low_threshold": 1.5, "clip_high_threshold": 1.2}, loss_fn="ppo"),
      400, "clip"),
     ("config not numeric", fb(config={"beta": "lots"}, loss_fn="dro"), 400, "beta"),
+    # stable_reinforce reads the worker's sampling records, which only the Tinker protocol links to a datum
+    ("client-sent sampling records", fb([datum(inputs={"recorded_logprobs": wt([-1.0] * 6, "float32"),
+                                                      "recorded_mask": wt([1.0] * 6, "float32")})],
+                                        loss_fn="stable_reinforce"), 400, "recorded_logprobs"),
+    ("negative kl_coef", fb(config={"kl_coef": -0.1}, loss_fn="ppo"), 400, "loss_fn_config.kl_coef"),
+    ("unknown kl_estimator", fb(config={"kl_coef": 0.1, "kl_estimator": "k9"}), 400, "loss_fn_config.kl_estimator"),
+    ("kl on cross_entropy", fb([{"tokens": wt(range(6)), "loss_fn_inputs": {"target_tokens": wt(range(6))}}],
+                               "cross_entropy", {"kl_coef": 0.1}), 400, "loss_fn_config.kl_coef"),
+    ("return_entropy 2", fb(config={"return_entropy": 2}), 400, "loss_fn_config.return_entropy"),
+    ("NaN policy weights", fb([datum(inputs={"weights": nan_tensor()})]), 400, "weights"),
     ("negative learning rate", {"op": "optim_step", "adam_params": {"learning_rate": -1e-3}}, 400, "learning_rate"),
     ("beta1 = 1", {"op": "optim_step", "adam_params": {"beta1": 1.0}}, 400, "beta1"),
     ("eps = 0", {"op": "optim_step", "adam_params": {"eps": 0.0}}, 400, "eps"),
@@ -121,6 +131,7 @@ def test_malformed_requests_are_rejected_and_change_nothing(worker, service, vic
             assert field in error["message"] or field in (error.get("field") or ""), (label, error)
         raw_cases = [
             ("seq out of order", json.dumps({"seq_id": seq + 5, "payload": fb()}), 409, "seq_id"),
+            ("seq one past the next", json.dumps({"seq_id": seq + 1, "payload": fb()}), 409, "seq_id"),
             ("seq zero", json.dumps({"seq_id": 0, "payload": fb()}), 422, "seq_id"),
             ("not JSON", "{seq_id: 1,", 400, "body"),
             ("bad UTF-8", b'{"seq_id": 1, "payload": "\xff\xfe"}', 400, "body"),

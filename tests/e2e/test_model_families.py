@@ -18,7 +18,10 @@ from server_mock.engine.tiny_model import TINY_FAMILIES, make_tiny_model
 
 pytestmark = pytest.mark.timeout(600)
 FAMILIES = [f for f in TINY_FAMILIES if f != "qwen2"]  # qwen2 is the default tiny model of every other test
-TOL = 1e-4
+TOL = 1e-5  # sampler vs trainer logprobs: measured ~1e-6 on every tiny family
+# SmolLM2-135M: 30 layers of trained float32 weights sum in a different order in the cached decode than in one
+# full forward pass; measured 2.0e-5 on CPU
+SMOLLM2_TOL = 5e-5
 
 
 @pytest.fixture(scope="module")
@@ -69,13 +72,13 @@ def test_smollm2_samples_trains_and_agrees(tmp_path):
     proc = WorkerProcess(resolve_source(SMOLLM2_ID), tmp_path / "storage", model_name="smol").start()
     service = trio.ServiceClient(base_url=proc.base_url)
     try:
-        check_family(service, "smol")
+        check_family(service, "smol", tol=SMOLLM2_TOL)
     finally:
         service.close()
         proc.stop()
 
 
-def check_family(service, family: str) -> None:
+def check_family(service, family: str, tol: float = TOL) -> None:
     tc = service.create_lora_training_client(family, rank=4, seed=0)
     tok = tc.get_tokenizer()
     prompt = tok.encode("what is 12 + 30? the answer is")  # longer than Gemma 3's sliding window (8)
@@ -87,7 +90,7 @@ def check_family(service, family: str) -> None:
     assert len(group.sequences) == 8 and all(len(s.tokens) == 14 for s in group.sequences)
     assert len({tuple(s.tokens) for s in group.sequences}) > 1, "rows must be sampled independently"
     gap_before = worst_gap(tc, prompt, group.sequences)
-    assert gap_before <= TOL, f"{family}: sampler vs trainer {gap_before:.2e}"
+    assert gap_before <= tol, f"{family}: sampler vs trainer {gap_before:.2e}"
 
     # a row that stops early leaves the batch; the rows that go on are unchanged, token for token
     stop_token = group.sequences[0].tokens[2]
@@ -97,7 +100,7 @@ def check_family(service, family: str) -> None:
     for full, cut in zip(group.sequences, stopped.sequences):
         assert full.tokens[:len(cut.tokens)] == cut.tokens
         assert len(cut.tokens) == 14 or cut.tokens[-1] == stop_token
-    assert worst_gap(tc, prompt, stopped.sequences) <= TOL
+    assert worst_gap(tc, prompt, stopped.sequences) <= tol
 
     # concurrent requests with prompts of different lengths are decoded together, with the same results
     prompts = [prompt, prompt[:5], tok.encode("7 + 8 = 15. and 9 + 9 ="), prompt[3:]]
@@ -112,7 +115,7 @@ def check_family(service, family: str) -> None:
     for i, (p, res) in enumerate(zip(prompts, batched)):
         solo = sample(sampler, p, n=3, max_tokens=10, seed=i)
         assert [s.tokens for s in res.sequences] == [s.tokens for s in solo.sequences]
-        assert worst_gap(tc, p, res.sequences) <= TOL
+        assert worst_gap(tc, p, res.sequences) <= tol
 
     # one training step moves the weights; a fresh sampler agrees with the trainer afterwards
     completion = group.sequences[1].tokens
@@ -130,7 +133,7 @@ def check_family(service, family: str) -> None:
     fresh = tc.save_weights_and_get_sampling_client()
     regroup = sample(fresh, prompt, n=4, seed=9)
     gap_after = worst_gap(tc, prompt, regroup.sequences)
-    assert gap_after <= TOL, f"{family}: after a step, sampler vs trainer {gap_after:.2e}"
+    assert gap_after <= tol, f"{family}: after a step, sampler vs trainer {gap_after:.2e}"
     print(f"{family}: sampler vs trainer max |logprob gap| {max(gap_before, gap_after):.2e}")
 
 

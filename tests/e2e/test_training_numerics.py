@@ -177,7 +177,7 @@ def test_sampler_logprobs_agree_with_trainer_forward(service, trained_state):
             trainer = np.asarray(out["logprobs"].data)[len(prompt) - 1:]
             worst = max(worst, float(np.abs(trainer - np.asarray(seq.logprobs)).max()))
     print(f"max |sampler - trainer| logprob = {worst:.3g}")
-    assert worst < 1e-4
+    assert worst < 1e-5  # measured ~1e-6 on the tiny models
 
 
 def test_cross_entropy_learns_one_sequence(service):

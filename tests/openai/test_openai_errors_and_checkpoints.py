@@ -207,7 +207,8 @@ def test_trained_checkpoint_answers_differently_and_only_for_its_tenant(worker, 
 
 
 def test_lazy_worker_serves_any_model_it_can_load(tiny_model_dir, tmp_path):
-    proc = start_worker(tiny_model_dir, tmp_path, "--lazy-models")
+    proc = start_worker(tiny_model_dir, tmp_path, "--lazy-models", "--lazy-model-allow", str(tiny_model_dir),
+                        "--lazy-model-allow", f"{tmp_path}/*")
     try:
         with openai.OpenAI(base_url=openai_url(proc), api_key=KEY_A, max_retries=0) as client:
             reply = client.chat.completions.create(model=str(tiny_model_dir), messages=HELLO, max_tokens=3)

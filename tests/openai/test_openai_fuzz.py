@@ -38,7 +38,8 @@ PROBE = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "m
 huge = st.sampled_from([2**31, 2**53 + 1, 2**63, 2**64, 2**70, -2**63 - 1, 10**30])
 scalars = st.one_of(st.none(), st.booleans(), st.integers(-5, 300), huge,
                     st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=16),
-                    st.sampled_from(["tiny", "text", "image_url", "user", "system", "tool", "", "0"]))
+                    st.sampled_from(["tiny", "text", "image_url", "user", "system", "tool", "", "0", "a\ud800",
+                                     "\udfff"]))  # lone surrogates: valid JSON escapes, not valid text
 junk = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
     st.sampled_from(["role", "content", "type", "text", "image_url", "include_usage", "name", "x"]), inner,
     max_size=4), max_leaves=16)
@@ -50,6 +51,10 @@ messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "ass
 prompts = st.one_of(st.lists(st.integers(-2**40, 2**40), max_size=6),
                     st.lists(st.lists(st.integers(-3, 600), max_size=4), max_size=3),
                     st.lists(st.text(max_size=8), max_size=3), st.just(""), st.just([]), st.just([[]]))
+# long lists of one wrongly typed item: pydantic once built one error per item and the worker turned them all into
+# dicts (a 0.9 MiB body stalled every tenant for seconds)
+long_lists = st.builds(lambda item, n: [item] * n, st.sampled_from(["a", [], {}, None, True, 1, 2**70, [[]], 1.5]),
+                       st.sampled_from([1000, 100_000]))
 stops = st.one_of(st.lists(st.text(max_size=6), min_size=5, max_size=300), st.text(min_size=257, max_size=3000),
                   st.lists(st.text(min_size=300, max_size=400), min_size=1, max_size=2), st.just([""]))
 
@@ -60,13 +65,14 @@ def targeted(name: str, models: list[str]):
                 "best_of"):
         return st.one_of(st.integers(-3, 2**12), huge, junk)
     if name == "stop":
-        return st.one_of(stops, junk)
+        return st.one_of(stops, long_lists, junk)
     if name == "model":
         return st.one_of(st.sampled_from(models), st.text(max_size=30), junk)
     if name == "messages":
-        return st.one_of(messages, junk)
+        return st.one_of(messages, long_lists, long_lists.map(lambda items: [{"role": "user", "content": items}]),
+                         junk)
     if name == "prompt":
-        return st.one_of(prompts, junk)
+        return st.one_of(prompts, long_lists, long_lists.map(lambda items: [items]), junk)
     if name in ("temperature", "top_p"):
         return st.one_of(st.floats(allow_nan=True, allow_infinity=True), huge, junk)
     return junk

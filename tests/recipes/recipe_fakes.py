@@ -78,17 +78,23 @@ class FakeTrainingClient:
     async def save_weights_and_get_sampling_client_async(self):
         return self.save_weights_and_get_sampling_client()
 
-    def _fb_output(self, datums) -> ForwardBackwardOutput:
+    def _fb_output(self, datums, loss_fn_config=None) -> ForwardBackwardOutput:
         # The "learner" sees every sampled logprob 0.01 lower than the sampler did.
         outputs = [{"logprobs": TensorData(data=[x - 0.01 for x in d.loss_fn_inputs["logprobs"].data],
                                            dtype="float32")} for d in datums]
-        return ForwardBackwardOutput(loss_fn_outputs=outputs,
-                                     metrics={"loss_sum": -1.5, "loss_mean": -0.25, "token_count": 6.0})
+        metrics = {"loss_sum": -1.5, "loss_mean": -0.25, "token_count": 6.0}
+        config = loss_fn_config or {}
+        if "kl_coef" in config:  # the worker's KL to the reference and entropy, as fixed numbers
+            metrics.update({"kl_sum": 0.12, "kl_mean": 0.02})
+        if config.get("return_entropy"):
+            metrics.update({"entropy_sum": 4.2, "entropy_mean": 0.7})
+        return ForwardBackwardOutput(loss_fn_outputs=outputs, metrics=metrics)
 
     def forward_backward(self, datums, loss_fn="cross_entropy", loss_fn_config=None, auto_shift=False):
         self.service.calls.append(("forward_backward", loss_fn, len(datums)))
         self.service.loss_fn_configs.append(loss_fn_config)
-        return APIFuture.completed(self._fb_output(datums))
+        self.service.fb_datums.append(list(datums))
+        return APIFuture.completed(self._fb_output(datums, loss_fn_config))
 
     def forward_backward_custom(self, datums, loss_fn, loss_fn_config=None):
         import torch
@@ -132,6 +138,7 @@ class FakeService:
         self.p_truncate = p_truncate
         self.calls: list[tuple] = []
         self.loss_fn_configs: list[dict | None] = []
+        self.fb_datums: list[list] = []  # the datums of each forward_backward
         self.sample_calls: list[dict] = []
         self.snapshots = 0
         self.service_kwargs: dict | None = None

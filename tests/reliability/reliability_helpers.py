@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import threading
 import time
@@ -10,6 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import httpx
 import numpy as np
 import torch
 import uvicorn
@@ -70,3 +72,57 @@ def in_process_worker(model_dir: Path, storage: Path) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(15)
+
+
+def resident_bytes(pid: int) -> int:
+    """A process's resident memory (Linux /proc), in bytes."""
+    with open(f"/proc/{pid}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class Watch:
+    """While a block runs: a worker's resident memory, sampled every 5 ms (``peak_growth`` over the start), and
+    the latency of another tenant's ``/v1/health``, asked every 20 ms (``health_max``)."""
+
+    def __init__(self, pid: int, health_url: str, key: str | None = None) -> None:
+        self.pid, self.health_url = pid, health_url
+        self.headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self.peak_growth = 0
+        self.health: list[float] = []
+
+    def __enter__(self) -> "Watch":
+        self._stop = threading.Event()
+        self.start = resident_bytes(self.pid)
+        self._threads = [threading.Thread(target=self._memory, daemon=True),
+                         threading.Thread(target=self._ping, daemon=True)]
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(30)
+
+    def _memory(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.peak_growth = max(self.peak_growth, resident_bytes(self.pid) - self.start)
+            except OSError:
+                return
+            time.sleep(0.005)
+
+    def _ping(self) -> None:
+        with httpx.Client(timeout=30, headers=self.headers) as http:
+            while not self._stop.is_set():
+                started = time.perf_counter()
+                try:
+                    http.get(self.health_url)
+                    self.health.append(time.perf_counter() - started)
+                except httpx.HTTPError:
+                    self.health.append(float("inf"))
+                time.sleep(0.02)
+
+    @property
+    def health_max(self) -> float:
+        return max(self.health, default=0.0)

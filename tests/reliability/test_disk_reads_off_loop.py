@@ -61,3 +61,25 @@ def test_checkpoints_are_never_read_on_the_event_loop(watched_worker):
     assert {"read_tensors", "read_meta", "list"} <= kinds  # the flows above did read the disk
     on_loop = [name for name, loop in reads if loop and name != "exists"]  # a stat may answer a 404 at once
     assert on_loop == [], on_loop
+
+
+def test_model_listings_and_weights_info_read_the_disk_off_the_event_loop(watched_worker):
+    """OpenAI ``/models`` (which lists the caller's sampler checkpoints) and Tinker ``weights_info`` read
+    checkpoint metadata in a worker thread: their cost grows with the checkpoints on disk, and it must not stall
+    the loop every tenant's requests go through."""
+    base, reads = watched_worker
+    with httpx.Client(base_url=base, timeout=60) as http:
+        run = http.post("/v1/training_runs", json={"base_model": "tiny", "lora": {"rank": 2}}).json()["training_run_id"]
+        paths = []
+        for seq, payload in enumerate([{"op": "save_weights_for_sampler", "name": "w"},
+                                       {"op": "save_state", "name": "s"}], start=1):
+            rid = http.post(f"/v1/training_runs/{run}/ops", json={"seq_id": seq, "payload": payload}).json()
+            paths.append(http.get(f"/v1/requests/{rid['request_id']}", params={"wait": 30}).json()["result"]["path"])
+        reads.clear()
+        models = http.get("/api/openai/v1/models").json()["data"]
+        assert [m["parent"] for m in models if m["id"] == paths[0]] == ["tiny"], models
+        assert http.get(f"/api/openai/v1/models/{paths[0]}").json()["id"] == paths[0]
+        info = http.post("/api/v1/weights_info", json={"tinker_path": f"tinker://{run}/weights/s"})
+        assert info.status_code == 200 and info.json()["lora_rank"] == 2, info.text
+    assert {name for name, _ in reads} >= {"list", "read_meta"}
+    assert [name for name, loop in reads if loop] == []

@@ -5,6 +5,7 @@ latency is reported (run with -s to see the figures quoted in docs/reliability.m
 
 from __future__ import annotations
 
+import hashlib
 import json
 import statistics
 import threading
@@ -67,12 +68,29 @@ bad_sampling = st.one_of(
                                                                                  min_size=1, max_size=3)}),
 )
 
+# long lists of one wrongly typed item, where the shapes hold lists (each item once cost a validation error)
+long_list = st.builds(lambda item, n: [item] * n, st.sampled_from(["a", [], {}, None, True, 2**70, 1.5, [[]]]),
+                      st.sampled_from([1000, 100_000]))
+long_list_bodies = st.one_of(
+    long_list.map(lambda items: {"prompt_tokens": items, "sampling_params": {"max_tokens": 2}}),
+    long_list.map(lambda items: {"prompt_tokens": [5, 6], "sampling_params": {"max_tokens": 2, "stop": items}}),
+    long_list.map(lambda items: {"prompt_tokens": [5, 6], "sampling_params": {"max_tokens": 2,
+                                                                              "stop_token_ids": items}}),
+)
+long_list_ops = st.one_of(
+    long_list.map(lambda items: {"op": "forward_backward", "data": items}),
+    long_list.map(lambda items: {"op": "forward_backward", "data": [{**datum_wire(), "loss_fn_inputs": {
+        f"k{i}": item for i, item in enumerate(items)}}]}),
+    long_list.map(lambda items: {"op": "forward", "data": [{**datum_wire(), "tokens": {
+        "dtype": "int64", "shape": items, "b64": ""}}]}),
+)
+
 # (label, tenant index, what to send); the last element is built by the test with the live ids
 attack = st.one_of(
-    st.tuples(st.just("op"), st.integers(0, 1), st.one_of(bad_forward(), bad_adam(), json_junk)),
+    st.tuples(st.just("op"), st.integers(0, 1), st.one_of(bad_forward(), bad_adam(), json_junk, long_list_ops)),
     st.tuples(st.just("op-seq"), st.integers(0, 1), st.one_of(st.integers(-5, 0), st.integers(50, 2**31))),
     st.tuples(st.just("sample"), st.integers(0, 1), bad_sampling),
-    st.tuples(st.just("sample-junk"), st.integers(0, 1), json_junk),
+    st.tuples(st.just("sample-junk"), st.integers(0, 1), st.one_of(json_junk, long_list_bodies)),
     st.tuples(st.just("content-type"), st.integers(0, 1),
               st.sampled_from(["text/plain", "application/x-www-form-urlencoded", "multipart/form-data", "",
                                "application/json-seq", "text/json"])),
@@ -167,7 +185,7 @@ def test_malformed_flood_changes_nothing_and_well_formed_requests_carry_on(speci
             url, method, params, content = f"/v1/requests/req-{detail}", "GET", {"wait": detail}, None
         else:
             url, content = "/v1/training_runs", json.dumps(detail)
-        sent.add(json.dumps([kind, i, url, method, params, headers, content]))
+        sent.add(hashlib.sha256(json.dumps([kind, i, url, method, params, headers, content]).encode()).hexdigest())
         response = http.request(method, url, content=content, params=params, headers=headers)
         statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
         assert response.status_code in REFUSALS, (case, response.status_code, response.text)

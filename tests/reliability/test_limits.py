@@ -110,6 +110,19 @@ def test_each_limit_is_named_when_exceeded(http_a, http_b):
     assert http_a.post(url, json=op(3, [datum_wire()])).status_code == 200  # the seq_id was not used up
 
 
+def test_the_token_limit_holds_at_exactly_its_value(http_a):
+    """64 tokens (the limit) are accepted, 65 are not."""
+    run = create_run(http_a).json()["training_run_id"]
+    url = f"/v1/training_runs/{run}/ops"
+    over = http_a.post(url, json=op(1, [datum_wire(0, n=33), datum_wire(1, n=34)]))  # 32 + 33 tokens
+    assert_limit(over, 413, "max_tokens_per_request=64")
+    assert "65 tokens" in over.text, over.text
+    at_limit = http_a.post(url, json=op(1, [datum_wire(0, n=33), datum_wire(1, n=33)]))  # 32 + 32 tokens
+    assert at_limit.status_code == 200, at_limit.text
+    status = http_a.get(f"/v1/requests/{at_limit.json()['request_id']}", params={"wait": 30}).json()
+    assert status["status"] == "succeeded" and status["result"]["metrics"]["token_count"] == 64.0, status
+
+
 def test_the_client_waits_out_a_busy_queue(limited_worker, fast_retries, client_cache, caplog):
     client = trio.ServiceClient(base_url=limited_worker.base_url, api_key=KEY_A)
     try:

@@ -47,9 +47,9 @@ class Watch:
             self.release.wait(HOLD_SECONDS)
         return original(*args)
 
-    def parse(self, original, model, raw):
+    def parse(self, original, model, raw, *rest):
         self.parses.append((len(raw), on_event_loop()))
-        return original(model, raw)
+        return original(model, raw, *rest)
 
 
 @pytest.fixture()
@@ -59,7 +59,7 @@ def watched_worker(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(runs, "wire_array", lambda t, f: watch.decode(decode, t, f))  # native: base64 tensors
     monkeypatch.setattr(tinker_decode, "_array_from_bytes",  # Tinker: protobuf tensors
                         lambda raw, dtype, where: watch.decode(proto_decode, raw, dtype, where))
-    monkeypatch.setattr(bodies, "parse_body", lambda m, r: watch.parse(parse, m, r))
+    monkeypatch.setattr(bodies, "parse_body", lambda m, r, *rest: watch.parse(parse, m, r, *rest))
     with in_process_worker(tiny_model_dir, tmp_path / "storage") as base:
         try:
             yield base, watch

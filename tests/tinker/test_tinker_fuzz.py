@@ -10,6 +10,7 @@ model keeps answering, with the same numbers, while it runs.
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import json
 import statistics
@@ -211,6 +212,13 @@ def _json_value(known: list[str]):
     return st.one_of(scalars, st.lists(nested, max_size=3), st.dictionaries(keys, nested, max_size=3))
 
 
+def _long_list(data) -> object:
+    """Up to 200000 items of one wrong type, bare or where a list of token ids or chunks is read."""
+    item = data.draw(st.sampled_from(["a", [], {}, None, True, 2**70, 1.5, [[]]]))
+    items = [item] * data.draw(st.sampled_from([1000, 50_000, 200_000]))
+    return data.draw(st.sampled_from([items, {"chunks": items}, {"chunks": [{"tokens": items}]}, {"stop": items}]))
+
+
 @pytest.mark.timeout(600)
 def test_fuzzed_json_bodies_never_crash(tinker_worker):
     a = RawTinker(tinker_worker.base_url, KEY_A, timeout=30)
@@ -250,6 +258,8 @@ def test_fuzzed_json_bodies_never_crash(tinker_worker):
                 body[name] = data.draw(_json_value(known))
         if data.draw(st.integers(0, 19)) == 0:
             body = data.draw(_json_value(known))
+        if isinstance(body, dict) and data.draw(st.integers(0, 9)) == 0:  # wrongly typed items in a long list
+            body[data.draw(st.sampled_from(JSON_ROUTES[route] + ["prompt"]))] = _long_list(data)
         raw = json.dumps(body).encode()
         seen.add(hashlib.sha256(route.encode() + raw).hexdigest())
         r = a.post(route, content=raw, headers={"Content-Type": "application/json"})
@@ -260,18 +270,24 @@ def test_fuzzed_json_bodies_never_crash(tinker_worker):
             futures.append(r.json()["request_id"])
 
     attack()
-    server_failures = []
-    for request_id in futures[:40]:  # the ones that finish: none failed as a server error
-        try:
-            r = a.http.post(a.base + "/retrieve_future", json={"request_id": request_id}, timeout=2)
-        except httpx.TimeoutException:
-            continue  # waits for an earlier seq_id
+
+    def outcome(request_id: str) -> str:
+        """Every future answers within the long poll (30 s): a final answer, or try_again for one still waiting
+        for an earlier seq_id. A hang is a timeout here, and fails the test."""
+        r = a.http.post(a.base + "/retrieve_future", json={"request_id": request_id}, timeout=45)
+        assert r.status_code == 200, r.text
         out = r.json() if "json" in r.headers.get("content-type", "") else {}
-        if out.get("category") == "server":
-            server_failures.append(out)
-    assert not server_failures, server_failures[:3]
+        if out.get("type") == "try_again":
+            return "waiting"
+        return "server failure" if out.get("category") == "server" else "final"
+
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        outcomes = list(pool.map(outcome, futures))
+    assert "server failure" not in outcomes, [f for f, o in zip(futures, outcomes) if o == "server failure"][:3]
+    assert outcomes.count("final") >= 1, outcomes  # the check above saw futures that finished
     log = (tinker_worker.storage.parent / "worker.log").read_text()
     assert "Traceback" not in log and "unhandled" not in log, log[-3000:]
     assert httpx.get(tinker_worker.base_url + "/api/v1/healthz").status_code == 200
-    print(f"\njson fuzz: {len(seen)} distinct bodies, {len(futures)} futures")
+    print(f"\njson fuzz: {len(seen)} distinct bodies, {len(futures)} futures: {outcomes.count('final')} final, "
+          f"{outcomes.count('waiting')} waiting for an earlier seq_id")
     a.close()

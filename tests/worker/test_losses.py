@@ -33,45 +33,83 @@ def make_datum(seed: int) -> dict[str, np.ndarray]:
     adv[rng.random(N) < 0.2] = 0.0
     w = rng.random(N)
     w[rng.random(N) < 0.2] = 0.0
-    return {"target_tokens": targets, "lp": lp, "logprobs": q, "advantages": adv, "weights": w}
+    recorded = (rng.random(N) < 0.7).astype(float)  # stable_reinforce: the positions the sampler recorded
+    mu = lp + 0.5 * rng.standard_normal(N)  # their recorded sampler logprobs (ratios on both sides of 1)
+    ratio_mask = (rng.random(N) < 0.6).astype(float)  # gspo: the positions of the sequence ratio
+    return {"target_tokens": targets, "lp": lp, "logprobs": q, "advantages": adv, "weights": w,
+            "recorded_mask": recorded, "recorded_logprobs": mu * recorded, "sequence_ratio_mask": ratio_mask}
 
 
-def ref_token(loss_fn: str, lp: float, q: float, a: float, w: float, cfg: dict) -> float:
-    """Per-token loss, written straight from the formulas."""
-    r = math.exp(lp - q)
-    if loss_fn == "cross_entropy":
-        return -w * lp
-    if loss_fn == "importance_sampling":
-        return -r * a
-    if loss_fn == "ppo":
+def gspo_ratio(d: dict, lp: np.ndarray) -> float:
+    """GSPO's sequence ratio: exp of the mean log-ratio over the live positions of the ratio mask."""
+    live = [i for i in range(len(lp)) if d["target_tokens"][i] != -100 and d["sequence_ratio_mask"][i] != 0]
+    return math.exp(sum(lp[i] - d["logprobs"][i] for i in live) / len(live)) if live else 1.0
+
+
+def ref_token(loss_fn: str, lp: float, q: float, a: float, w: float, cfg: dict, r: float | None = None,
+              mu: float | None = None) -> float:
+    """Per-token loss, written straight from the formulas (policy losses scaled by their optional weight; gspo:
+    ``r`` is the sequence ratio; stable_reinforce: ``mu`` the recorded sampler logprob, None off the recorded
+    positions)."""
+    r = math.exp(lp - q) if r is None else r
+    if loss_fn == "gspo":
         clipped = min(max(r, cfg["clip_low_threshold"]), cfg["clip_high_threshold"])
         return -min(r * a, clipped * a)
+    if loss_fn == "stable_reinforce":
+        if mu is None:
+            return 0.0
+        ratio = math.exp(lp - mu)
+        return -min(ratio, 1.0) * a * lp + cfg["kl_coeff"] * (ratio - 1.0 - (lp - mu))
+    if loss_fn == "cross_entropy":
+        return -w * lp
+    if loss_fn == "importance_sampling":  # the policy losses are scaled by their optional weight
+        return -w * r * a
+    if loss_fn == "ppo":
+        clipped = min(max(r, cfg["clip_low_threshold"]), cfg["clip_high_threshold"])
+        return -w * min(r * a, clipped * a)
     if loss_fn == "cispo":
         clipped = min(max(r, cfg["clip_low_threshold"]), cfg["clip_high_threshold"])
-        return -clipped * lp * a
+        return -w * clipped * lp * a
     if loss_fn == "dro":
         return -(lp * a - 0.5 * cfg["beta"] * (lp - q) ** 2)
     raise AssertionError(loss_fn)
 
 
-def ref_grad_token(loss_fn: str, lp: float, q: float, a: float, w: float, cfg: dict) -> float:
-    """d(per-token loss)/d lp, derived by hand (ratio is stop-gradient in cispo)."""
-    r = math.exp(lp - q)
+def ref_grad_token(loss_fn: str, lp: float, q: float, a: float, w: float, cfg: dict, r: float | None = None,
+                   mu: float | None = None) -> float:
+    """d(per-token loss)/d lp, derived by hand (ratio is stop-gradient in cispo; gspo's token ratio has the
+    sequence ratio's value and d/d lp_t = that value; stable_reinforce's weight min(r, 1) is stop-gradient)."""
+    r = math.exp(lp - q) if r is None else r
     lo, hi = cfg.get("clip_low_threshold"), cfg.get("clip_high_threshold")
+    if loss_fn == "stable_reinforce":
+        if mu is None:
+            return 0.0
+        ratio = math.exp(lp - mu)
+        return -min(ratio, 1.0) * a + cfg["kl_coeff"] * (ratio - 1.0)
     if loss_fn == "cross_entropy":
         return -w
     if loss_fn == "importance_sampling":
-        return -r * a
-    if loss_fn == "ppo":
+        return -w * r * a
+    if loss_fn in ("ppo", "gspo"):
+        scale = w if loss_fn == "ppo" else 1.0  # gspo takes no per-token weights
         clipped = min(max(r, lo), hi)
         if r * a <= clipped * a or lo < r < hi:  # unclipped branch active
-            return -r * a
+            return -scale * r * a
         return 0.0
     if loss_fn == "cispo":
-        return -min(max(r, lo), hi) * a
+        return -w * min(max(r, lo), hi) * a
     if loss_fn == "dro":
         return -(a - cfg["beta"] * (lp - q))
     raise AssertionError(loss_fn)
+
+
+def token_args(loss_fn: str, d: dict, i: int, lp: np.ndarray) -> dict:
+    """The per-datum quantities ref_token needs beyond the position's own inputs."""
+    if loss_fn == "gspo":
+        return {"r": gspo_ratio(d, lp)}
+    if loss_fn == "stable_reinforce":
+        return {"mu": d["recorded_logprobs"][i] if d["recorded_mask"][i] else None}
+    return {}
 
 
 def ref_loss(loss_fn: str, d: dict, cfg: dict, lp: np.ndarray | None = None) -> float:
@@ -80,7 +118,8 @@ def ref_loss(loss_fn: str, d: dict, cfg: dict, lp: np.ndarray | None = None) -> 
     for i in range(N):
         if d["target_tokens"][i] == -100:
             continue
-        total += ref_token(loss_fn, lp[i], d["logprobs"][i], d["advantages"][i], d["weights"][i], cfg)
+        total += ref_token(loss_fn, lp[i], d["logprobs"][i], d["advantages"][i], d["weights"][i], cfg,
+                           **token_args(loss_fn, d, i, lp))
     return total
 
 
@@ -101,6 +140,8 @@ CFGS = {
     "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
     "cispo": {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
     "dro": {"beta": 0.05},
+    "gspo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+    "stable_reinforce": {"kl_coeff": 0.3},  # large enough that the KL term weighs in the comparison
 }
 
 
@@ -119,13 +160,15 @@ def test_value_and_grad_match_reference(loss_fn, seed):
     expected_elem = np.zeros(N)
     for i in np.flatnonzero(mask):
         args = (d["lp"][i], d["logprobs"][i], d["advantages"][i], d["weights"][i], cfg)
-        expected_grad[i] = ref_grad_token(loss_fn, *args)
-        expected_elem[i] = ref_token(loss_fn, *args)
+        extra = token_args(loss_fn, d, i, d["lp"])
+        expected_grad[i] = ref_grad_token(loss_fn, *args, **extra)
+        expected_elem[i] = ref_token(loss_fn, *args, **extra)
     np.testing.assert_allclose(grad, expected_grad, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(res.elementwise.numpy(), expected_elem, rtol=1e-5, atol=1e-5)
     assert not res.elementwise.requires_grad
 
-    if loss_fn != "cispo":  # the stop-gradient makes cispo's gradient differ from d(value)/d lp
+    # stop-gradients make cispo's, gspo's and stable_reinforce's gradients differ from d(value)/d lp
+    if loss_fn not in ("cispo", "gspo", "stable_reinforce"):
         eps = 1e-6
         fd = np.zeros(N)
         for i in range(N):
@@ -226,9 +269,17 @@ def test_token_count_rules():
     }
     assert run("cross_entropy", d, {})[0].token_count == 3  # mask & w != 0: positions 1, 3, 4
     assert run("cross_entropy", d, {}, drop_weights=True)[0].token_count == 4  # weights default to ones
-    for loss_fn in ("importance_sampling", "ppo", "cispo"):
-        assert run(loss_fn, d, CFGS[loss_fn])[0].token_count == 2  # mask & A != 0: positions 2, 3
+    for loss_fn in ("importance_sampling", "ppo", "cispo", "gspo"):
+        d["sequence_ratio_mask"] = np.ones(6)
+        assert run(loss_fn, d, CFGS[loss_fn], drop_weights=True)[0].token_count == 2  # mask & A != 0: positions 2, 3
+        # & w != 0: position 3 (gspo takes no per-token weights: still 2, 3)
+        assert run(loss_fn, d, CFGS[loss_fn])[0].token_count == (2 if loss_fn == "gspo" else 1)
     assert run("dro", d, CFGS["dro"])[0].token_count == 4  # mask only
+    # stable_reinforce: the recorded (sampled) positions; with kl_coeff = 0 only those with A != 0
+    d["recorded_mask"] = np.array([1.0, 1.0, 1.0, 0.0, 1.0, 1.0])
+    d["recorded_logprobs"] = np.full(6, -1.1) * d["recorded_mask"]
+    assert run("stable_reinforce", d, {"kl_coeff": 0.5})[0].token_count == 3  # positions 1, 2, 4
+    assert run("stable_reinforce", d, {"kl_coeff": 0.0})[0].token_count == 1  # position 2
 
 
 def test_cross_entropy_default_weights():
@@ -249,6 +300,8 @@ def test_masked_garbage_does_not_leak(loss_fn):
     d["logprobs"] = np.where(masked, -np.inf, d["logprobs"])
     d["advantages"] = np.where(masked, np.nan, d["advantages"])
     d["weights"] = np.where(masked, np.nan, d["weights"])
+    d["recorded_logprobs"] = np.where(masked, np.nan, d["recorded_logprobs"])
+    d["sequence_ratio_mask"] = np.where(masked, 1.0, d["sequence_ratio_mask"])  # masked: never in the ratio
     res, g = run(loss_fn, d, CFGS[loss_fn], lp=lp)
     assert math.isfinite(res.loss.item())
     assert np.all(np.isfinite(g)) and np.all(g[masked] == 0)
@@ -303,6 +356,9 @@ def test_resolve_defaults():
     assert resolve_loss_config("ppo", None) == {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
     assert resolve_loss_config("cispo", None) == {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}
     assert resolve_loss_config("dro", None) == {"beta": 0.05}
+    assert resolve_loss_config("gspo", None) == {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+    assert resolve_loss_config("stable_reinforce", None) == {"kl_coeff": 0.01}
+    assert resolve_loss_config("stable_reinforce", {"kl_coeff": 0}) == {"kl_coeff": 0.0}
     out = resolve_loss_config("ppo", {"clip_high_threshold": 2})
     assert out == {"clip_low_threshold": 0.8, "clip_high_threshold": 2.0}
     assert isinstance(out["clip_high_threshold"], float)
@@ -348,6 +404,11 @@ def test_resolve_unknown_key(loss_fn, key, accepted):
         ("ppo", {"clip_low_threshold": 1.2}, "clip_high_threshold"),  # lo == hi not allowed for ppo
         ("cispo", {"clip_low_threshold": 5.0}, "clip_high_threshold"),
         ("cispo", {"clip_low_threshold": -1.0}, "clip_low_threshold"),
+        ("gspo", {"clip_low_threshold": 1.2}, "clip_high_threshold"),
+        ("gspo", {"epsilon": 0.2}, "epsilon"),
+        ("stable_reinforce", {"kl_coeff": -0.01}, "kl_coeff"),
+        ("stable_reinforce", {"kl_coeff": float("nan")}, "kl_coeff"),
+        ("stable_reinforce", {"beta": 0.1}, "beta"),
     ],
 )
 def test_resolve_bad_values(loss_fn, config, field):
@@ -361,3 +422,110 @@ def test_resolve_config_not_a_dict():
     with pytest.raises(LossConfigError) as e:
         resolve_loss_config("ppo", [0.8, 1.2])
     assert e.value.field == "loss_fn_config"
+
+
+# --- the KL to the reference and the entropy (policy_terms.py) ---------------------------------------------------
+
+def test_resolve_kl_and_entropy_keys():
+    # only the keys given come back: a request without them resolves exactly as before
+    assert resolve_loss_config("ppo", {"kl_coef": 0}) == {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2,
+                                                          "kl_coef": 0.0, "kl_estimator": "k3"}
+    assert resolve_loss_config("importance_sampling", {"kl_coef": 0.05, "kl_estimator": "k1"}) == {
+        "kl_coef": 0.05, "kl_estimator": "k1"}
+    assert resolve_loss_config("cross_entropy", {"return_entropy": True}) == {"return_entropy": True}
+    assert resolve_loss_config("dro", {"return_entropy": 1.0}) == {"beta": 0.05, "return_entropy": True}
+    assert resolve_loss_config("cispo", {"return_entropy": False}) == {"clip_low_threshold": 0.0,
+                                                                       "clip_high_threshold": 4.0}
+
+
+@pytest.mark.parametrize(
+    "loss_fn, config, field",
+    [
+        ("ppo", {"kl_coef": -1e-12}, "kl_coef"),  # one past the bound 0
+        ("ppo", {"kl_coef": float("nan")}, "kl_coef"),
+        ("ppo", {"kl_coef": float("inf")}, "kl_coef"),
+        ("ppo", {"kl_coef": True}, "kl_coef"),
+        ("ppo", {"kl_coef": "0.1"}, "kl_coef"),
+        ("ppo", {"kl_coef": 0.1, "kl_estimator": "k4"}, "kl_estimator"),
+        ("ppo", {"kl_coef": 0.1, "kl_estimator": 3}, "kl_estimator"),
+        ("ppo", {"kl_estimator": "k3"}, "kl_estimator"),  # without kl_coef
+        ("cross_entropy", {"kl_coef": 0.1}, "kl_coef"),
+        ("dro", {"kl_coef": 0.1}, "kl_coef"),
+        ("ppo", {"return_entropy": 2}, "return_entropy"),
+        ("ppo", {"return_entropy": "yes"}, "return_entropy"),
+    ],
+)
+def test_resolve_bad_kl_and_entropy_values(loss_fn, config, field):
+    with pytest.raises(LossConfigError) as e:
+        resolve_loss_config(loss_fn, config)
+    assert e.value.field == f"loss_fn_config.{field}"
+
+
+def test_unknown_key_message_lists_the_shared_keys():
+    with pytest.raises(LossConfigError) as e:
+        resolve_loss_config("ppo", {"beta": 0.1})
+    assert "kl_coef" in str(e.value) and "return_entropy" in str(e.value)
+    with pytest.raises(LossConfigError) as e:
+        resolve_loss_config("cross_entropy", {"kl": 0.1})
+    assert "return_entropy" in str(e.value) and "kl_coef" not in str(e.value)
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_kl_term_value_gradient_and_token_count(estimator):
+    """w * (surrogate + beta * KL) per token against the formulas; the KL trains tokens whose advantage is 0 when
+    weights mark them, and only the tokens with A != 0 without weights."""
+    lp = np.array([-1.0, -2.0, -0.5, -3.0, -1.5])
+    ref = np.array([-1.2, -1.0, -0.5, 2.0, -1.0])
+    d = {"target_tokens": np.array([1, 2, 3, -100, 5]), "lp": lp, "logprobs": lp.copy(),
+         "advantages": np.array([1.0, 0.0, -2.0, 1.0, 0.5]), "weights": np.array([0.5, 1.0, 1.0, 1.0, 0.0])}
+    beta = 0.3
+
+    def kl(x, r):
+        return {"k1": x - r, "k2": 0.5 * (x - r) ** 2, "k3": math.exp(r - x) - (r - x) - 1}[estimator]
+
+    def dkl(x, r):
+        return {"k1": 1.0, "k2": x - r, "k3": 1 - math.exp(r - x)}[estimator]
+
+    cfg = resolve_loss_config("importance_sampling", {"kl_coef": beta, "kl_estimator": estimator})
+    for weighted in (True, False):
+        lp_t = torch.tensor(lp, dtype=torch.float32, requires_grad=True)
+        inputs = {"target_tokens": torch.tensor(d["target_tokens"]),
+                  "logprobs": torch.tensor(lp, dtype=torch.float32),
+                  "advantages": torch.tensor(d["advantages"], dtype=torch.float32)}
+        if weighted:
+            inputs["weights"] = torch.tensor(d["weights"], dtype=torch.float32)
+        res = compute_loss("importance_sampling", lp_t, inputs, cfg, torch.tensor(ref, dtype=torch.float32))
+        res.loss.backward()
+        want, grad, kls = 0.0, np.zeros(5), np.zeros(5)
+        for i in range(5):
+            a, w = d["advantages"][i], d["weights"][i] if weighted else 1.0
+            trained = d["target_tokens"][i] != -100 and (w != 0 if weighted else a != 0)
+            if not trained:
+                continue
+            want += w * (-a + beta * kl(lp[i], ref[i]))  # r = 1 here: lp == q
+            grad[i] = w * (-a + beta * dkl(lp[i], ref[i]))
+            kls[i] = kl(lp[i], ref[i])
+        assert res.loss.item() == pytest.approx(want, rel=1e-6, abs=1e-6)
+        np.testing.assert_allclose(lp_t.grad.numpy(), grad, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(res.kl.numpy(), kls, rtol=1e-5, atol=1e-6)
+        # weighted: positions 0, 1, 2 (position 1 has A = 0 but a weight); unweighted: A != 0 -> 0, 2, 4
+        assert res.token_count == 3
+
+
+def test_kl_coef_needs_reference_logprobs():
+    cfg = resolve_loss_config("ppo", {"kl_coef": 0.1})
+    inputs = {"target_tokens": torch.tensor([1]), "logprobs": torch.zeros(1), "advantages": torch.ones(1)}
+    with pytest.raises(ValueError, match="reference"):
+        compute_loss("ppo", torch.zeros(1, requires_grad=True), inputs, cfg)
+
+
+def test_extreme_values_off_the_trained_tokens_never_reach_the_kl_gradient():
+    """A prompt position (A = 0, no weights) whose policy and reference disagree wildly: exp(ref - lp) is inf
+    in float32 there, yet the loss and the gradient stay finite and that position's gradient is 0."""
+    lp = torch.tensor([-1.0, -100.0, -0.5], requires_grad=True)
+    inputs = {"target_tokens": torch.tensor([1, 2, 3]), "logprobs": torch.tensor([-1.0, -1.0, -0.5]),
+              "advantages": torch.tensor([1.0, 0.0, 1.0])}
+    res = compute_loss("importance_sampling", lp, inputs, resolve_loss_config("importance_sampling", {"kl_coef": 1}),
+                       torch.tensor([-1.0, 0.0, -0.5]))
+    res.loss.backward()
+    assert math.isfinite(res.loss.item()) and torch.isfinite(lp.grad).all() and lp.grad[1] == 0

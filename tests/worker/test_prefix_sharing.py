@@ -130,13 +130,36 @@ def grpo_batch(loss_fn: str, seed: int = 0, group_sizes=(4, 3), prompt_len: int 
         else:
             datum["logprobs"] = rng.uniform(-7, -5, n).astype(np.float32)
             datum["advantages"] = rng.normal(0, 1, n).astype(np.float32)
+        if loss_fn == "gspo":
+            datum["sequence_ratio_mask"] = (rng.random(n) < 0.7).astype(np.float32)
+        if loss_fn == "stable_reinforce":
+            datum["recorded_mask"] = (rng.random(n) < 0.7).astype(np.float32)
+            datum["recorded_logprobs"] = rng.uniform(-7, -5, n).astype(np.float32) * datum["recorded_mask"]
         data.append(datum)
+    return data
+
+
+def soft_batch(seed: int = 0, k: int = 4, hard_every: int = 3) -> list[dict]:
+    """grpo_batch's sequences with K soft targets per position (top-K distillation); every ``hard_every``-th
+    datum keeps 1-D targets, so a call mixes both."""
+    rng = np.random.default_rng(seed)
+    data = grpo_batch("cross_entropy", seed=seed)
+    for i, datum in enumerate(data):
+        if i % hard_every == hard_every - 1:
+            continue
+        n = len(datum["tokens"])
+        targets = np.concatenate([datum["target_tokens"][:, None], rng.integers(3, 500, (n, k - 1))], axis=1)
+        targets[rng.random((n, k)) < 0.1] = -100
+        datum["target_tokens"] = targets.astype(np.int64)
+        datum["weights"] = rng.uniform(0.0, 1.0, (n, k)).astype(np.float32)
     return data
 
 
 CONFIGS = {"cross_entropy": {}, "importance_sampling": {}, "dro": {"beta": 0.05},
            "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
-           "cispo": {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}}
+           "cispo": {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
+           "gspo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+           "stable_reinforce": {"kl_coeff": 0.05}}
 
 
 def train_step(host: LocalModelHost, data, loss_fn: str, backward: bool = True):
@@ -202,6 +225,37 @@ def test_every_loss_matches_the_unshared_path(hosts, loss_fn, monkeypatch):
     assert len(spy.prefixes) == 1 and spy.prefixes[0] in ((2, 29), (2, 30))
     assert_same(shared, train_step(plain_host, data, loss_fn))
     assert len(spy.prefixes) == 1  # the plain host never shares
+
+
+def test_soft_targets_match_the_unshared_path(hosts, monkeypatch):
+    spy = Spy(monkeypatch)
+    data = soft_batch()
+    shared = train_step(hosts[0], data, "cross_entropy")
+    assert len(spy.prefixes) == 1
+    assert_same(shared, train_step(hosts[1], data, "cross_entropy"))
+    for datum, out in zip(data, shared[0]["outputs"]):
+        assert out["logprobs"].shape == datum["target_tokens"].shape  # [N, K] or [N]
+        assert out["elementwise_loss"].shape == (len(datum["tokens"]),)
+
+
+def test_soft_target_logprobs_and_loss_match_an_independent_computation(hosts):
+    """Every cell's logprob from each datum alone through the PEFT model in float64; the loss -sum w * lp."""
+    host = hosts[0]
+    data = soft_batch(seed=5, k=3)
+    adapter = make_adapter(host)
+    out = host.forward_backward(adapter, data, "cross_entropy", {}, backward=False)
+    total = 0.0
+    with torch.no_grad():
+        for datum, result in zip(data, out["outputs"]):
+            logits = host.peft(input_ids=torch.from_numpy(datum["tokens"])[None]).logits[0].double()
+            targets = datum["target_tokens"].reshape(len(datum["tokens"]), -1)
+            expected = torch.log_softmax(logits, -1).gather(-1, torch.from_numpy(np.where(targets < 0, 0, targets)))
+            expected = np.where(targets < 0, 0.0, expected.numpy()).reshape(datum["target_tokens"].shape)
+            np.testing.assert_allclose(result["logprobs"], expected, atol=TOL)
+            weights = datum["weights"].reshape(expected.shape)
+            total += float(-(np.where(datum["target_tokens"] < 0, 0.0, weights) * expected).sum())
+    assert out["metrics"]["loss:sum"] == pytest.approx(total, rel=TOL, abs=TOL)
+    host.drop_adapter(adapter.adapter_id)
 
 
 def test_forward_without_backward_matches(hosts, monkeypatch):

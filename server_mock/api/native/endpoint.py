@@ -14,9 +14,10 @@ from starlette.responses import JSONResponse
 
 from pytrio_compat.wire import ErrorBody, ErrorResponse
 from server_mock.api import endpoint as api_endpoint
-from server_mock.api.bodies import read_model
+from server_mock.api.bodies import json_limit, read_model, tensor_limit
 from server_mock.api.browser_safety import require_media_type
 from server_mock.errors import WorkerError
+from server_mock.service.quotas import TenantLRU
 from server_mock.service.worker import WorkerService
 
 MAX_POLL_SECONDS = 60.0
@@ -24,22 +25,23 @@ Handler = Callable[..., Awaitable[Any]]
 
 
 class Idempotency:
-    """A create request resent with the same Idempotency-Key gets the first answer, not a second object."""
+    """A create request resent with the same Idempotency-Key gets the first answer, not a second object. Each
+    tenant keeps its own ``keep`` most recent keys: one tenant's volume never evicts another's."""
 
     def __init__(self, keep: int = 4096) -> None:
         self.keep = keep
-        self._results: dict[str, Any] = {}
+        self._results: TenantLRU[Any] = TenantLRU(keep)
 
     async def remember(self, request: Request, tenant: str, make: Callable[[], Awaitable[Any]]) -> Any:
         key = request.headers.get("idempotency-key")
-        key = f"{tenant}:{key}" if key else None  # one tenant's key never answers with another's object
-        if key and key in self._results:
-            return self._results[key]
+        if not key:
+            return await make()
+        key = f"{tenant}:{key}"  # one tenant's key never answers with another's object
+        known = self._results.get(key)
+        if known is not None:
+            return known
         result = await make()
-        if key:
-            self._results[key] = result
-            if len(self._results) > self.keep:
-                self._results.pop(next(iter(self._results)))
+        self._results.put(key, tenant, result)
         return result
 
 
@@ -57,15 +59,18 @@ def _tenant(request: Request) -> str:
     return request.app.state.auth.tenant(request)
 
 
-def endpoint(handler: Handler, body_model: type[BaseModel] | None = None, public: bool = False):
+def endpoint(handler: Handler, body_model: type[BaseModel] | None = None, public: bool = False,
+             tensors: bool = False):
     """A native route around ``handler(request, tenant[, body=...])``: the caller's tenant (unless public), the
-    JSON body validated into ``body_model`` (parsed off the event loop when large), native error answers."""
+    JSON body validated into ``body_model`` (parsed off the event loop when large), native error answers. A body
+    is within ``--max-json-body-bytes``, or ``--max-body-bytes`` on a route whose bodies carry ``tensors``."""
 
     async def run(request: Request, tenant: str):
         if body_model is None:
             return await handler(request, tenant)
         require_media_type(request)
-        body = await read_model(request, body_model, service_of(request).limits.max_body_bytes)
+        limits = service_of(request).limits
+        body = await read_model(request, body_model, tensor_limit(limits) if tensors else json_limit(limits))
         return await handler(request, tenant, body=body)
 
     return api_endpoint.endpoint(run, tenant_of=_tenant, render_error=error_response, public=public)

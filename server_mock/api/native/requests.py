@@ -28,10 +28,11 @@ def request_status(job: Job, queue_position: int | None = None) -> RequestStatus
 async def get_request(request: Request, tenant: str):
     service = service_of(request)
     wait = poll_seconds(request)
-    job = service.requests.get(request.path_params["request_id"], tenant)
+    request_id = request.path_params["request_id"]
+    job = service.requests.get(request_id, tenant)
     if job is None:
         raise WorkerError(404, "request_not_found",
-                          f"unknown request {request.path_params['request_id']} (expired or worker restarted)")
+                          f"unknown request {request_id} ({service.requests.why_gone(request_id, tenant)})")
     if not await wait_unless_disconnected(request, service.requests.wait(job, wait)):
         return Response(status_code=499)  # the poller went away; the request itself runs on regardless
     return request_status(job, service.models.queue_position(job.request_id) if job.status == "queued" else None)

@@ -26,6 +26,7 @@ from server_mock.errors import bad_request
 from server_mock.service.ops import ForwardBatch
 from server_mock.service.runs import TrainingRun
 from server_mock.service.worker import WorkerService
+from server_mock.training import losses
 
 
 def run_info(service: WorkerService, run: TrainingRun) -> TrainingRunInfo:
@@ -63,6 +64,8 @@ class WireRow(Mapping):
         return wire_array(self._datum.loss_fn_inputs[key], f"{self._where}.loss_fn_inputs.{key}")
 
     def __contains__(self, key: object) -> bool:
+        if key in losses.RECORDED_INPUTS:  # only the worker's sampling records fill these (Tinker provenance)
+            return False
         return key == "tokens" or key in self._datum.loss_fn_inputs
 
     def __iter__(self) -> Iterator[str]:
@@ -127,5 +130,5 @@ ROUTES = [
     Route("/v1/training_runs", endpoint(create_run, CreateTrainingRun), methods=["POST"]),
     Route("/v1/training_runs/{run_id}", endpoint(get_run), methods=["GET"]),
     Route("/v1/training_runs/{run_id}", endpoint(delete_run), methods=["DELETE"]),
-    Route("/v1/training_runs/{run_id}/ops", endpoint(submit_op, TrainingOp), methods=["POST"]),
+    Route("/v1/training_runs/{run_id}/ops", endpoint(submit_op, TrainingOp, tensors=True), methods=["POST"]),
 ]

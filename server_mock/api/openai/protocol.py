@@ -8,15 +8,26 @@ nothing and is accepted; any other value of an unsupported field is refused, nev
 from __future__ import annotations
 
 import math
+import reprlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
+from annotated_types import MinLen
+
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr
 from pydantic import ValidationError as PydanticValidationError
 
+from pytrio_compat.wire import MAX_TOKENS, bounded_dict, bounded_list
+from server_mock.api.bodies import first_error
 from server_mock.errors import WorkerError
+from server_mock.service.validation import describe_int
 
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit
+MAX_LISTED_STOPS = 1024  # a longer stop list is refused while it is parsed (more than 4 are refused after)
+MAX_PROMPTS = 4096  # prompts of one completions request (n x prompts is bounded by --max-num-samples after)
+MAX_MESSAGES = 1 << 16  # messages of one chat
+MAX_PARTS = 1 << 12  # content parts of one message
+MAX_UNKNOWN_ITEMS = 16  # of a field the worker does not serve: the "off" values are [], {} or a short one
 MAX_TOP_LOGPROBS = 20  # chat top_logprobs (and the worker's top-k prompt logprobs limit)
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions `logprobs` integer
 ROLES = ("system", "developer", "user", "assistant")
@@ -47,8 +58,16 @@ _REASONS = {
 }
 
 
+_Scalar = StrictStr | StrictInt | StrictFloat | StrictBool | None
+_Shallow = _Scalar | bounded_list(_Scalar, MAX_UNKNOWN_ITEMS) | bounded_dict(_Scalar, MAX_UNKNOWN_ITEMS)
+# the value of a field the worker does not serve: enough of it to tell "off" from not, and to show it; a longer or
+# deeper one is refused without being built
+_Unknown = _Shallow | bounded_list(_Shallow, MAX_UNKNOWN_ITEMS) | bounded_dict(_Shallow, MAX_UNKNOWN_ITEMS)
+
+
 class _Part(BaseModel):
     model_config = ConfigDict(extra="allow")  # image_url, input_audio, ...: refused by type below
+    __pydantic_extra__: dict[str, _Unknown]
     type: StrictStr
     text: StrictStr | None = None
 
@@ -56,7 +75,7 @@ class _Part(BaseModel):
 class _Message(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: StrictStr
-    content: StrictStr | list[_Part]
+    content: StrictStr | bounded_list(_Part, MAX_PARTS)
 
 
 class _StreamOptions(BaseModel):
@@ -65,30 +84,45 @@ class _StreamOptions(BaseModel):
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    model: StrictStr
-    n: StrictInt = 1
+    """Every served field may be sent as null, which asks for its default (``DEFAULTS``); fields that are not
+    served are kept (``_Unknown``) to be checked against their "off" values."""
+
+    model_config = ConfigDict(extra="allow")
+    __pydantic_extra__: dict[str, _Unknown]
+    model: StrictStr | None = None
+    n: StrictInt | None = None
     max_tokens: StrictInt | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: StrictInt = -1  # an extension (vLLM's name): -1 is off
-    stop: StrictStr | list[StrictStr] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: StrictInt | None = None  # an extension (vLLM's name): -1 is off
+    stop: StrictStr | bounded_list(StrictStr, MAX_LISTED_STOPS) | None = None
     seed: StrictInt | None = None
-    stream: StrictBool = False
+    stream: StrictBool | None = None
     stream_options: _StreamOptions | None = None
-    return_token_ids: StrictBool = False  # an extension (vLLM's name): token ids in each choice
+    return_token_ids: StrictBool | None = None  # an extension (vLLM's name): token ids in each choice
 
 
 class ChatBody(_Common):
-    messages: list[_Message]
+    messages: bounded_list(_Message, MAX_MESSAGES) | None = None
     max_completion_tokens: StrictInt | None = None
-    logprobs: StrictBool = False
+    logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = None
 
 
+_TokenIds = Annotated[bounded_list(StrictInt, MAX_TOKENS), MinLen(1)]
+
+
 class CompletionBody(_Common):
-    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    # a list of token ids must not be empty: checked while parsing, so that [[], [], ...] stops at its first
+    prompt: (StrictStr | bounded_list(StrictStr, MAX_PROMPTS) | _TokenIds
+             | bounded_list(_TokenIds, MAX_PROMPTS) | None) = None
     logprobs: StrictInt | None = None
+
+
+EMPTY_PROMPT = "must be a non-empty string, a non-empty list of token ids, or a list of them"
+DEFAULTS = {"n": 1, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "stream": False, "return_token_ids": False}
+CHAT_DEFAULTS = {**DEFAULTS, "logprobs": False}
+REQUIRED = {ChatBody: ("model", "messages"), CompletionBody: ("model", "prompt")}
 
 
 @dataclass
@@ -117,21 +151,23 @@ def invalid(param: str, message: str, status: int = 400, code: str = "invalid_va
     return WorkerError(status, code, f"{param}: {message}", param)
 
 
-def parse_chat(body: dict, max_samples: int, max_sample_tokens: int) -> Generation:
+def parse_chat(body: bytes, max_samples: int, max_sample_tokens: int) -> Generation:
+    """A chat request body (JSON bytes), checked."""
     req = _validate(ChatBody, body)
     if not req.messages:
         raise invalid("messages", "must hold at least one message")
     messages = []
     for i, message in enumerate(req.messages):
         if message.role not in ROLES:
-            raise invalid(f"messages[{i}].role", f"{message.role!r} is not supported; use one of {', '.join(ROLES)}"
-                          + (" (tool calling is not supported)" if message.role in ("tool", "function") else ""))
+            tools = " (tool calling is not supported)" if message.role in ("tool", "function") else ""
+            raise invalid(f"messages[{i}].role", f"{_short(message.role)} is not supported; use one of "
+                                                 f"{', '.join(ROLES)}{tools}")
         if isinstance(message.content, str):
             text = message.content
         else:
             for j, part in enumerate(message.content):
                 if part.type != "text" or part.text is None:
-                    raise invalid(f"messages[{i}].content[{j}]", f"{part.type!r} parts are not supported: "
+                    raise invalid(f"messages[{i}].content[{j}]", f"{_short(part.type)} parts are not supported: "
                                   "this worker serves text models (send {\"type\": \"text\", \"text\": ...})",
                                   code="unsupported_parameter")
             text = "".join(part.text or "" for part in message.content)
@@ -151,7 +187,8 @@ def parse_chat(body: dict, max_samples: int, max_sample_tokens: int) -> Generati
     return gen
 
 
-def parse_completion(body: dict, max_samples: int, max_sample_tokens: int) -> Generation:
+def parse_completion(body: bytes, max_samples: int, max_sample_tokens: int) -> Generation:
+    """A completions request body (JSON bytes), checked."""
     req = _validate(CompletionBody, body)
     prompt = req.prompt
     if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], int)):
@@ -159,7 +196,7 @@ def parse_completion(body: dict, max_samples: int, max_sample_tokens: int) -> Ge
     else:
         prompts = list(prompt)
     if not prompts or any(len(p) == 0 for p in prompts):
-        raise invalid("prompt", "must be a non-empty string, a non-empty list of token ids, or a list of them")
+        raise invalid("prompt", EMPTY_PROMPT)
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_COMPLETION_LOGPROBS:
         raise invalid("logprobs", f"must be in [0, {MAX_COMPLETION_LOGPROBS}], got {req.logprobs}")
     gen = _common(req, req.max_tokens, "max_tokens", max_samples, max_sample_tokens, len(prompts),
@@ -201,37 +238,57 @@ def _common(req: _Common, max_tokens: int | None, max_field: str, max_samples: i
     )
 
 
-def _validate(model: type[BaseModel], body: Any):
-    if not isinstance(body, dict):
+def _validate(model: type[_Common], raw: bytes):
+    """The body validated into ``model`` straight from its JSON (no Python object is built for a list that is
+    refused); nulls take the fields' defaults, and a field the worker does not serve is accepted only with its
+    "off" value."""
+    if not raw.strip():
         raise invalid("body", "expected a JSON object", code="invalid_json")
-    served = set(model.model_fields)
-    clean = {}
-    for key, value in body.items():
-        if value is None:
-            continue  # null: the field is not set
-        if key not in served:
-            if key in _OFF_VALUES and any(_same(value, off) for off in _OFF_VALUES[key]):
-                continue
-            reason = _REASONS.get(key, "this field is not supported by this worker")
-            raise invalid(key, f"{reason} (got {_short(value)})", code="unsupported_parameter")
-        clean[key] = value
     try:
-        return model.model_validate(clean)
+        req = model.model_validate_json(raw)
     except PydanticValidationError as exc:
-        first = exc.errors()[0]
+        first = first_error(exc)
+        kind = first.get("type")
+        if kind in ("json_invalid", "json_type"):  # a lone surrogate escape (\ud800) is refused here too
+            raise invalid("body", f"not valid JSON ({first.get('msg', '').removeprefix('Invalid JSON: ')})",
+                          code="invalid_json") from None
         loc = [str(p) for p in first.get("loc", ()) if not _is_union_tag(str(p))]
+        if kind == "model_type" and not loc:
+            raise invalid("body", "expected a JSON object", code="invalid_json") from None
+        if loc and loc[0] not in model.model_fields:  # a field not served, with a long or deep value
+            reason = _REASONS.get(loc[0], "this field is not supported by this worker")
+            raise invalid(loc[0], f"{reason} (got a longer or deeper value than it could take)",
+                          code="unsupported_parameter") from None
         param = loc[0] if loc else "body"
         for part in loc[1:]:
             param += f"[{part}]" if part.isdigit() else f".{part}"
-        if first.get("type") == "missing":
+        if kind == "missing":
             raise invalid(param, "required", code="missing_required_parameter") from None
-        if first.get("type") == "extra_forbidden":
+        kinds = {e["type"] for e in exc.errors(include_url=False, include_context=False, include_input=False)
+                 if e["loc"][:1] == ("prompt",)} if exc.error_count() <= 64 else set()
+        if kinds & {"too_short", "too_long"}:
+            raise invalid("prompt", f"{EMPTY_PROMPT}; at most {MAX_PROMPTS} prompts in one request") from None
+        if kind == "extra_forbidden":
             raise invalid(param, "this field is not supported", code="unsupported_parameter") from None
         raise invalid(param, f"{first.get('msg', 'invalid')} (got {_short(first.get('input'))})") from None
+    for key, value in (req.model_extra or {}).items():
+        if value is None:
+            continue  # null: the field is not set
+        if key in _OFF_VALUES and any(_same(value, off) for off in _OFF_VALUES[key]):
+            continue
+        reason = _REASONS.get(key, "this field is not supported by this worker")
+        raise invalid(key, f"{reason} (got {_short(value)})", code="unsupported_parameter")
+    for name in REQUIRED[model]:
+        if getattr(req, name) is None:
+            raise invalid(name, "required", code="missing_required_parameter")
+    for name, default in (CHAT_DEFAULTS if model is ChatBody else DEFAULTS).items():
+        if getattr(req, name) is None:
+            setattr(req, name, default)
+    return req
 
 
 def _is_union_tag(part: str) -> bool:
-    return part in ("str", "int", "bool", "float") or part.startswith(("list[", "function-"))
+    return part in ("str", "int", "bool", "float", "none") or part.startswith(("list[", "dict[", "function-"))
 
 
 def _same(value: Any, off: Any) -> bool:
@@ -239,6 +296,19 @@ def _same(value: Any, off: Any) -> bool:
                                                           and not isinstance(value, bool) and value == off)
 
 
+class _ShortRepr(reprlib.Repr):
+    """reprlib's bounded repr (a few items of a list, a few levels deep), and integers too long to print as
+    their size."""
+
+    def repr_int(self, x: int, level: int) -> str:
+        return describe_int(x)
+
+
+_SHORT = _ShortRepr()
+_SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxdict, _SHORT.maxstring, _SHORT.maxother = 3, 6, 4, 50, 50
+
+
 def _short(value: Any) -> str:
-    text = repr(value)
+    """A short description of a sent value: never longer than 60 characters, and cheap for a huge one."""
+    text = _SHORT.repr(value)
     return text if len(text) <= 60 else text[:57] + "..."

@@ -19,7 +19,7 @@ import json
 import logging
 import time
 import uuid
-from typing import Any
+from collections.abc import Callable
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
@@ -53,10 +53,18 @@ def error_response(exc: WorkerError) -> JSONResponse:
     return JSONResponse(error_body(exc), status_code=exc.status, headers=headers)
 
 
-async def read_json(request: Request, limit: int) -> Any:
-    """The JSON body, sent as ``application/json`` (as the openai client does: see browser_safety.py)."""
+async def read_request(request: Request, limits, parse: Callable[[bytes], Generation]) -> Generation:
+    """The JSON body, sent as ``application/json`` (as the openai client does: see browser_safety.py), within
+    ``--max-json-body-bytes``, parsed and checked by ``parse`` (from the bytes): in a worker thread, within the
+    parse budget, when large."""
     require_media_type(request, (JSON,), f"the body of {request.url.path.removeprefix(PREFIX)}")
-    return (await bodies.read_json(request, limit))[0]
+    limit = bodies.json_limit(limits)
+    raw = await bodies.read_body(request, limit)
+    if not bodies.off_loop(raw):
+        bodies.check_values(raw, limit)
+        return parse(raw)
+    async with bodies.parsing(request, await asyncio.to_thread(bodies.parse_cost, raw, limit)):
+        return await asyncio.to_thread(parse, raw)
 
 
 # --- models -----------------------------------------------------------------------------------------
@@ -67,21 +75,20 @@ def _model_entries(gen: Generator, tenant: str) -> list[dict]:
     started = int(service.started)
     data = [{"id": name, "object": "model", "created": started, "owned_by": "worker", "root": name, "parent": None}
             for name in gen.served_models()]
-    for entry in service.checkpoints.list(tenant, None).checkpoints:
+    for entry, meta in service.checkpoints.entries(tenant, None):  # in a worker thread: it reads the disk
         if entry.kind == "sampler":
-            base = service.checkpoints.config(entry.path, tenant).base_model
             data.append({"id": entry.path, "object": "model", "created": int(entry.created_at), "owned_by": "you",
-                         "root": entry.path, "parent": base})
+                         "root": entry.path, "parent": meta.get("base_model")})
     return data
 
 
 async def list_models(gen: Generator, request: Request, tenant: str):
-    return {"object": "list", "data": _model_entries(gen, tenant)}
+    return {"object": "list", "data": await asyncio.to_thread(_model_entries, gen, tenant)}
 
 
 async def get_model(gen: Generator, request: Request, tenant: str):
     model = request.path_params["model"]
-    for entry in _model_entries(gen, tenant):
+    for entry in await asyncio.to_thread(_model_entries, gen, tenant):
         if entry["id"] == model:
             return entry
     raise WorkerError(404, "model_not_found", f"model: {model!r} does not exist here", "model")
@@ -92,8 +99,8 @@ async def get_model(gen: Generator, request: Request, tenant: str):
 
 async def chat_completions(gen: Generator, request: Request, tenant: str):
     limits = gen.service.limits
-    req = parse_chat(await read_json(request, limits.max_body_bytes), limits.max_num_samples,
-                     limits.max_sample_tokens)
+    req = await read_request(request, limits, lambda body: parse_chat(body, limits.max_num_samples,
+                                                                      limits.max_sample_tokens))
     sampler_id, host = await gen.resolve(req.model, tenant)
     prompt = render.render_chat(host.tokenizer, req.messages)
     jobs = gen.submit_all(sampler_id, host, [prompt], req, tenant, "messages")
@@ -118,8 +125,8 @@ async def chat_completions(gen: Generator, request: Request, tenant: str):
 
 async def completions(gen: Generator, request: Request, tenant: str):
     limits = gen.service.limits
-    req = parse_completion(await read_json(request, limits.max_body_bytes), limits.max_num_samples,
-                           limits.max_sample_tokens)
+    req = await read_request(request, limits, lambda body: parse_completion(body, limits.max_num_samples,
+                                                                            limits.max_sample_tokens))
     sampler_id, host = await gen.resolve(req.model, tenant)
     prompts = [render.encode_prompt(host.tokenizer, p) for p in req.prompts]
     jobs = gen.submit_all(sampler_id, host, prompts, req, tenant, "prompt")

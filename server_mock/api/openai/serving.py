@@ -18,6 +18,7 @@ from server_mock.api.openai.protocol import Generation
 from server_mock.api.openai.render import Choice, finish
 from server_mock.engine.queue import job_result
 from server_mock.errors import WorkerError
+from server_mock.service.validation import describe_int
 from server_mock.service.worker import WorkerService
 
 MAX_CACHED_SAMPLERS = 4096
@@ -95,9 +96,9 @@ class Generator:
         vocab = host.vocab_size
         bad = next((i for i, t in enumerate(prompt) if vocab is not None and not 0 <= t < vocab), None)
         if bad is not None:
-            raise WorkerError(400, "token_id_out_of_range", f"{prompt_field}: token id {prompt[bad]} at position "
-                                                            f"{bad}{which} is outside the vocabulary [0, {vocab})",
-                              prompt_field)
+            raise WorkerError(400, "token_id_out_of_range", f"{prompt_field}: token id {describe_int(prompt[bad])} at "
+                                                            f"position {bad}{which} is outside the vocabulary "
+                                                            f"[0, {vocab})", prompt_field)
         limits = self.service.limits
         context = host.max_seq_len or (len(prompt) + limits.max_sample_tokens + 1)
         room = context - len(prompt) - (1 if gen.top_logprobs else 0)  # top logprobs re-read the answer + 1

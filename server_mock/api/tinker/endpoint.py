@@ -1,11 +1,9 @@
-"""HTTP plumbing of the Tinker API: API keys (with Tinker's ``tml-`` prefix), bodies, JSON fields and error
-answers in Tinker's shape."""
+"""HTTP plumbing of the Tinker API: API keys (with Tinker's ``tml-`` prefix), bodies (declared in schemas.py) and
+error answers in Tinker's shape."""
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
-import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -17,7 +15,8 @@ from server_mock.api import endpoint as api_endpoint
 from server_mock.api.auth import Auth
 from server_mock.api.browser_safety import JSON, require_media_type
 from server_mock.api.tinker.paths import tinker_message
-from server_mock.errors import WorkerError, bad_request
+from server_mock.api.tinker.schemas import TinkerBody, parse
+from server_mock.errors import WorkerError
 
 PROTOBUF = "application/x-protobuf"
 
@@ -81,38 +80,24 @@ def carries_body(request: Request) -> bool:
     return headers.get("content-length", "0").strip() not in ("", "0")
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    return await bodies.read_body(request, limit, allow_zstd=True)
+async def read_body(request: Request, limit: bodies.BodyLimit, json_values: bool = True) -> bytes:
+    return await bodies.read_body(request, limit, allow_zstd=True, json_values=json_values)
 
 
-async def read_json(request: Request, limit: int) -> dict:
-    return (await read_json_sized(request, limit))[0]
+async def read(request: Request, model: type[TinkerBody], limit: bodies.BodyLimit) -> tuple[Any, int]:
+    """The body (zstd allowed) validated into ``model`` (in a thread, within the parse budget, when large), and
+    its size in bytes."""
+    body, raw = await bodies.read_model_raw(request, model, limit, allow_zstd=True, parse=parse)
+    return body, len(raw)
 
 
-async def read_json_sized(request: Request, limit: int) -> tuple[dict, int, str]:
-    """The JSON object of the body, the body's size in bytes, and its digest (for re-sent requests).
-    A large body is parsed and hashed off the event loop."""
-    body, raw = await bodies.read_json(request, limit, allow_zstd=True, empty={})
+def digest(raw: bytes) -> str:
+    return hashlib.sha256(raw).hexdigest()
+
+
+async def read_json(request: Request, limit: bodies.BodyLimit) -> dict:
+    """The body as a JSON object (zstd allowed), for routes that check it themselves."""
+    body, _ = await bodies.read_json(request, limit, allow_zstd=True, empty={})
     if not isinstance(body, dict):
         raise WorkerError(400, "invalid_json", "body: expected a JSON object", "body")
-    if len(raw) > bodies.BIG_BODY_BYTES:
-        return body, len(raw), await asyncio.to_thread(digest, body)
-    return body, len(raw), digest(body)
-
-
-def field(body: dict, name: str, kind: type | tuple, required: bool = True, default: Any = None) -> Any:
-    value = body.get(name)
-    if value is None:
-        if required:
-            raise bad_request(name, "required")
-        return default
-    if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
-        raise bad_request(name, f"must be an integer, got {value!r}")
-    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
-        raise bad_request(name, f"has the wrong type ({type(value).__name__})")
-    return value
-
-
-def digest(body: Any) -> str:
-    raw = body if isinstance(body, bytes) else json.dumps(body, sort_keys=True).encode()
-    return hashlib.sha256(raw).hexdigest()
+    return body

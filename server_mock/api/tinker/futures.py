@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable
@@ -20,10 +21,12 @@ from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
 
-from server_mock.api.tinker.endpoint import PROTOBUF, field, read_json
+from server_mock.api.tinker import schemas
+from server_mock.api.tinker.endpoint import PROTOBUF, read
 from server_mock.api.tinker.paths import tinker_message
 from server_mock.api.tinker.proto.decode import ProtoError
 from server_mock.engine.queue import SERVER_ERROR_CODES
+from server_mock.engine.requests import approx_bytes
 from server_mock.errors import WorkerError
 
 logger = logging.getLogger("server_mock")
@@ -79,16 +82,25 @@ class Future:
     request_id: str
     tenant: str
     task: asyncio.Task
+    finished: float | None = None  # loop time
+    size: int = 0
 
 
 class Futures:
-    """request_id -> Future. Past ``max_entries`` futures of one tenant, that tenant's oldest are forgotten;
-    another tenant's never are."""
+    """request_id -> Future, per tenant: past ``max_entries`` futures of one tenant, that tenant's oldest are
+    forgotten (another tenant's never are). A finished future is kept ``ttl`` seconds, and while a tenant's
+    finished futures hold more than ``max_bytes`` its oldest finished ones are forgotten (the newest stays);
+    a forgotten future answers 404."""
 
-    def __init__(self, max_entries: int = 20_000) -> None:
+    def __init__(self, max_entries: int = 20_000, ttl: float = 3600.0, max_bytes: int = 1 << 30) -> None:
         self.max_entries = max_entries
+        self.ttl = ttl
+        self.max_bytes = max_bytes
         self._items: dict[str, Future] = {}
         self._by_tenant: dict[str, OrderedDict[str, None]] = {}
+        self._finished: dict[str, OrderedDict[str, None]] = {}  # per tenant, in the order they finished
+        self._held: dict[str, int] = {}  # bytes of each tenant's finished futures
+        self._next_sweep = 0.0
 
     @staticmethod
     def new_id() -> str:
@@ -96,14 +108,19 @@ class Futures:
 
     def add(self, tenant: str, work: Awaitable[Any], request_id: str | None = None) -> str:
         request_id = request_id or self.new_id()
+        self._sweep()
         task = asyncio.ensure_future(work)
         task.add_done_callback(_consume_exception)
-        self._items[request_id] = Future(request_id, tenant, task)
+        future = Future(request_id, tenant, task)
+        task.add_done_callback(lambda _: self._done(future))
+        self._forget(request_id)  # a re-used id (a failed asample, then its retry) replaces the old future
+        self._items[request_id] = future
         mine = self._by_tenant.setdefault(tenant, OrderedDict())
         mine[request_id] = None
         while len(mine) > self.max_entries:
-            old_id, _ = mine.popitem(last=False)
-            old = self._items.pop(old_id, None)
+            old_id = next(iter(mine))
+            old = self._items.get(old_id)
+            self._forget(old_id)
             if old is not None and not old.task.done():
                 old.task.cancel()
         return request_id
@@ -118,7 +135,64 @@ class Futures:
         future = self._items.get(request_id)
         if future is None or future.tenant != tenant:
             return None
+        if future.finished is not None and _now() - future.finished > self.ttl:
+            self._forget(request_id)
+            return None
         return future
+
+    def held_bytes(self, tenant: str) -> int:
+        return self._held.get(tenant, 0)
+
+    def _done(self, future: Future) -> None:
+        if self._items.get(future.request_id) is not future:
+            return  # forgotten (or replaced) before it finished
+        future.finished = _now()
+        future.size = _result_bytes(future.task)
+        done = self._finished.setdefault(future.tenant, OrderedDict())
+        done[future.request_id] = None
+        self._held[future.tenant] = self._held.get(future.tenant, 0) + future.size
+        while self._held[future.tenant] > self.max_bytes and len(done) > 1:
+            self._forget(next(iter(done)))
+
+    def _forget(self, request_id: str) -> None:
+        future = self._items.pop(request_id, None)
+        if future is None:
+            return
+        mine = self._by_tenant.get(future.tenant)
+        if mine is not None:
+            mine.pop(request_id, None)
+            if not mine:
+                del self._by_tenant[future.tenant]
+        done = self._finished.get(future.tenant)
+        if done is not None and request_id in done:
+            del done[request_id]
+            left = self._held.get(future.tenant, 0) - future.size
+            if done:
+                self._held[future.tenant] = left
+            else:
+                del self._finished[future.tenant]
+                self._held.pop(future.tenant, None)
+
+    def _sweep(self) -> None:
+        """Forget expired futures, at most every ttl/2 seconds (each lookup checks its own future's age too)."""
+        now = _now()
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + max(0.05, self.ttl / 2)
+        cutoff = now - self.ttl
+        for done in list(self._finished.values()):
+            for request_id in [r for r in done if self._items[r].finished < cutoff]:
+                self._forget(request_id)
+
+
+def _now() -> float:
+    return time.monotonic()
+
+
+def _result_bytes(task: asyncio.Task) -> int:
+    if task.cancelled() or task.exception() is not None:
+        return 256
+    return approx_bytes(task.result())
 
 
 def _consume_exception(task: asyncio.Task) -> None:
@@ -130,12 +204,13 @@ def _consume_exception(task: asyncio.Task) -> None:
 
 
 async def retrieve_future(state, request: Request, tenant: str):
-    body = await read_json(request, state.body_limit)
-    request_id = field(body, "request_id", str)
+    body, _ = await read(request, schemas.RetrieveFuture, state.json_limit)
+    request_id = body.request_id
     future = state.futures.get(request_id, tenant)
     if future is None:
-        raise WorkerError(404, "request_not_found", f"request_id: unknown request {request_id!r} "
-                                                    "(expired, or the worker restarted)", "request_id")
+        raise WorkerError(404, "request_not_found", f"request_id: unknown request {request_id[:80]!r} (expired after "
+                                                    f"{state.futures.ttl:g} s, dropped for the key's result bytes, "
+                                                    "or the worker restarted)", "request_id")
     await asyncio.wait({future.task}, timeout=LONG_POLL_SECONDS)
     if not future.task.done():
         return {"type": "try_again", "request_id": request_id, "queue_state": "active"}

@@ -12,16 +12,18 @@ from server_mock.errors import bad_request
 
 REDUCTIONS = {"mean", "sum", "min", "max", "slack", "hash2", "unique"}
 
-_PATH_RE = re.compile(r"^tinker://(?P<run>[^/]+)/(?P<kind>weights|sampler_weights|external_weights)/(?P<name>[^/]+)$")
+# anchored with \Z, not $ (which also matches before a trailing newline)
+_PATH_RE = re.compile(r"^tinker://(?P<run>[^/]+)/(?P<kind>weights|sampler_weights|external_weights)/(?P<name>[^/]+)\Z")
+_TRIO_FULL_RE = re.compile(r"^trio://(?P<run>[^/]+)/(?P<kind>state|sampler)/(?P<name>[^/]+)\Z")
 _TRIO_PATH_RE = re.compile(r"trio://(?P<run>[^/\s'\"]+)/(?P<kind>state|sampler)/(?P<name>[^/\s'\",;]+)")
 _TO_TRIO_KIND = {"weights": "state", "sampler_weights": "sampler"}
 _TO_TINKER_KIND = {v: k for k, v in _TO_TRIO_KIND.items()}
 
 
 def to_trio_path(path: str, field_name: str = "path") -> str:
-    match = _PATH_RE.match(path or "") if isinstance(path, str) else None
+    match = _PATH_RE.fullmatch(path) if isinstance(path, str) else None
     if not match:
-        raise bad_request(field_name, f"{path!r} is not a checkpoint path: expected "
+        raise bad_request(field_name, f"{_clip(path)} is not a checkpoint path: expected "
                                       "tinker://<run>/weights/<name> or tinker://<run>/sampler_weights/<name>",
                           code="invalid_checkpoint_path")
     if match["kind"] == "external_weights":
@@ -31,7 +33,7 @@ def to_trio_path(path: str, field_name: str = "path") -> str:
 
 
 def to_tinker_path(path: str) -> str:
-    match = re.match(r"^trio://(?P<run>[^/]+)/(?P<kind>state|sampler)/(?P<name>[^/]+)$", path or "")
+    match = _TRIO_FULL_RE.fullmatch(path or "")
     if not match:
         return path
     return f"tinker://{match['run']}/{_TO_TINKER_KIND[match['kind']]}/{match['name']}"
@@ -61,3 +63,9 @@ def tinker_metrics(metrics: dict[str, float]) -> dict[str, float]:
     if "loss:sum" not in out:
         out["loss:sum"] = float(metrics.get("loss_sum", 0.0))
     return out
+
+
+def _clip(value: object) -> str:
+    """A sent value for a message: its repr, cut to 100 characters."""
+    text = repr(value[:100] if isinstance(value, str) else value)
+    return text if len(text) <= 103 else text[:100] + "..."

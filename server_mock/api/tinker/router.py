@@ -7,9 +7,11 @@ protocol shares the worker with the others. See docs/tinker.md.
 
 The routes live with their resource: sessions (sessions and training models), training (forward/backward,
 optimizer steps), weights (save, load, describe), sampling (sampling sessions, asample) and futures
-(retrieve_future). state holds what they share, gate the per-model seq_id ordering (holding bounds what
-waiting requests keep) and submit the hand-over to the service in that order, endpoint the HTTP plumbing,
-paths the tinker:// names. The bounds are listed in docs/reliability.md ("Tinker protocol hardening").
+(retrieve_future), rest (training runs, checkpoints and sessions for ``RestClient``; records builds its
+answers). state holds what they share, gate the per-model seq_id ordering (holding bounds what waiting requests
+keep) and submit the hand-over to the service in that order, provenance the records behind stable_reinforce,
+endpoint the HTTP plumbing, paths the tinker:// names. The bounds are listed in docs/reliability.md ("Tinker
+protocol hardening").
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.routing import Route
 
-from server_mock.api.tinker import sampling, sessions, training, weights
+from server_mock.api.tinker import rest, sampling, sessions, training, weights
 from server_mock.api.tinker.endpoint import JSON, PROTOBUF, endpoint
 from server_mock.api.tinker.futures import retrieve_future
 from server_mock.api.tinker.paths import tinker_message, tinker_metrics, to_tinker_path, to_trio_path
@@ -59,5 +61,6 @@ def tinker_routes(service, auth) -> list[Route]:
         route("/samplers/{sampler_id}", sampling.get_sampler, methods=("GET",)),
         route("/asample", sampling.asample),
         route("/retrieve_future", retrieve_future),
+        *(route(path, handler, methods=methods) for path, handler, methods in rest.ROUTES),
         route("/{rest:path}", unsupported, methods=("GET", "POST", "PUT", "PATCH", "DELETE")),
     ]

@@ -13,7 +13,8 @@ import asyncio
 from starlette.requests import Request
 
 from pytrio_compat.wire import CreateSampler, SampleRequest, WireSamplingParams
-from server_mock.api.tinker.endpoint import field, read_json, read_json_sized
+from server_mock.api.tinker import provenance, schemas
+from server_mock.api.tinker.endpoint import read
 from server_mock.api.tinker.futures import raise_
 from server_mock.api.tinker.paths import to_tinker_path, to_trio_path
 from server_mock.api.tinker.proto import encode as results
@@ -22,28 +23,24 @@ from server_mock.engine.queue import job_result
 from server_mock.errors import WorkerError, bad_request
 
 DEFAULT_MAX_TOKENS = 256  # sampling_params.max_tokens when the client leaves it unset
-MAX_SAMPLE_IDS = 20_000  # (sampler, seq_id) pairs remembered to answer re-sent asample requests
 
 
-def _create_body(body: dict) -> CreateSampler:
-    model_path = body.get("model_path")
-    base_model = body.get("base_model")
-    if base_model is not None and not isinstance(base_model, str):
-        raise bad_request("base_model", "must be a string")
-    return CreateSampler(base_model=base_model,
+def _create_body(body: schemas.CreateSamplingSession | schemas.Asample) -> CreateSampler:
+    model_path = body.model_path
+    return CreateSampler(base_model=body.base_model,
                          model_path=to_trio_path(model_path, "model_path") if model_path else None)
 
 
 async def create_sampling_session(state: TinkerState, request: Request, tenant: str):
-    body = await read_json(request, state.body_limit)
-    session = state.session(field(body, "session_id", str), tenant)
-    seq = field(body, "sampling_session_seq_id", int)
-    key = (session.session_id, seq)
+    body, _ = await read(request, schemas.CreateSamplingSession, state.json_limit)
+    session = state.session(body.session_id, tenant)
+    key = (session.session_id, body.sampling_session_seq_id)
     if key not in state.sampling_sessions:
         create = _create_body(body)
         state.count_creation(session, "sampling_session_seq_id")
         sampler = await state.service.samplers.create(create, tenant)
         state.sampling_sessions[key] = sampler.sampler_id
+        state.add_session_sampler(session, sampler.sampler_id)
     return {"sampling_session_id": state.sampling_sessions[key], "type": "create_sampling_session"}
 
 
@@ -53,58 +50,49 @@ async def get_sampler(state: TinkerState, request: Request, tenant: str):
             "model_path": to_tinker_path(sampler.model_path) if sampler.model_path else None}
 
 
-def _stops(params: dict) -> tuple[list[str] | None, list[int] | None]:
-    stop = params.get("stop")
+def _stops(params: schemas.SamplingParams) -> tuple[list[str] | None, list[int] | None]:
+    stop = params.stop
     if isinstance(stop, str):
         return [stop], None
-    if isinstance(stop, list):
-        if not stop:
-            return None, []  # no stops at all, not even EOS
-        if all(isinstance(s, str) for s in stop):
-            return stop, None
-        if all(isinstance(s, int) and not isinstance(s, bool) for s in stop):
-            return None, stop
     if stop is None:
         return None, None
-    raise bad_request("sampling_params.stop", "must be a string, a list of strings or a list of token ids")
+    if not stop:
+        return None, []  # no stops at all, not even EOS
+    if isinstance(stop[0], str):
+        return stop, None
+    return None, stop
 
 
-def sample_request(state: TinkerState, body: dict, max_seq_len: int | None) -> tuple[SampleRequest, int | None, int]:
-    chunks = (body.get("prompt") or {}).get("chunks") if isinstance(body.get("prompt"), dict) else None
-    if not isinstance(chunks, list):
+def sample_request(state: TinkerState, body: schemas.Asample, max_seq_len: int | None
+                   ) -> tuple[SampleRequest, int | None, int]:
+    if body.prompt is None:
         raise bad_request("prompt.chunks", "required: a list of chunks")
     tokens: list[int] = []
-    for i, chunk in enumerate(chunks):
-        if not isinstance(chunk, dict) or chunk.get("type", "encoded_text") != "encoded_text":
-            kind = chunk.get("type") if isinstance(chunk, dict) else type(chunk).__name__
-            raise bad_request(f"prompt.chunks[{i}]", f"{kind!r} chunks are not supported (text models only)")
-        part = chunk.get("tokens") or []
-        if not isinstance(part, list):
-            raise bad_request(f"prompt.chunks[{i}].tokens", "must be a list of token ids")
-        tokens.extend(part)
+    for i, chunk in enumerate(body.prompt.chunks):
+        if chunk.type != "encoded_text":
+            raise bad_request(f"prompt.chunks[{i}]", f"{chunk.type[:60]!r} chunks are not supported (text models only)")
+        tokens.extend(chunk.tokens or [])
     for name in ("topk_sample_logprobs", "prompt_alt_tokens_k"):
-        if body.get(name):
+        if getattr(body, name):
             raise bad_request(name, "not supported by this worker")
-    if body.get("target_prompt_logprobs") is not None:
+    if body.target_prompt_logprobs is not None:
         raise bad_request("target_prompt_logprobs", "not supported by this worker")
-    params = body.get("sampling_params") or {}
-    if not isinstance(params, dict):
-        raise bad_request("sampling_params", "must be an object")
-    max_tokens = params.get("max_tokens")
+    params = body.sampling_params or schemas.SamplingParams()
+    max_tokens = params.max_tokens
     if max_tokens is None:
         room = (max_seq_len or DEFAULT_MAX_TOKENS + len(tokens)) - len(tokens)
         max_tokens = max(1, min(DEFAULT_MAX_TOKENS, state.service.limits.max_sample_tokens, room))
     stop_strings, stop_ids = _stops(params)
-    last_n = body.get("prompt_logprobs_last_n")
-    want_prompt = bool(body.get("prompt_logprobs"))
-    if last_n is not None and (not want_prompt or not isinstance(last_n, int) or not 1 <= last_n < len(tokens)):
+    last_n = body.prompt_logprobs_last_n
+    want_prompt = bool(body.prompt_logprobs)
+    if last_n is not None and (not want_prompt or not 1 <= last_n < len(tokens)):
         raise bad_request("prompt_logprobs_last_n", f"needs prompt_logprobs and must be in [1, {len(tokens) - 1}]")
     wire = SampleRequest(
-        prompt_tokens=tokens, num_samples=body.get("num_samples", 1),
+        prompt_tokens=tokens, num_samples=body.num_samples,
         sampling_params=WireSamplingParams(
-            max_tokens=max_tokens, temperature=params.get("temperature", 1.0), top_k=params.get("top_k", -1),
-            top_p=params.get("top_p", 1.0), seed=params.get("seed"), stop=stop_strings, stop_token_ids=stop_ids),
-        include_prompt_logprobs=want_prompt, topk_prompt_logprobs=body.get("topk_prompt_logprobs") or 0,
+            max_tokens=max_tokens, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+            seed=params.seed, stop=stop_strings, stop_token_ids=stop_ids),
+        include_prompt_logprobs=want_prompt, topk_prompt_logprobs=body.topk_prompt_logprobs or 0,
         return_text=False,
     )
     return wire, last_n, wire.topk_prompt_logprobs
@@ -123,11 +111,10 @@ def encode_sample_result(result: dict, wire: SampleRequest, last_n: int | None, 
     return results.encode_sample_response(result["sequences"], prompt_lps, tops, topk)
 
 
-async def _sampler_for(state: TinkerState, body: dict, tenant: str) -> tuple[str, bool]:
+async def _sampler_for(state: TinkerState, body: schemas.Asample, tenant: str) -> tuple[str, bool]:
     """The sampler an asample runs on, and whether it is one of the shared implicit ones."""
-    sampler_id = body.get("sampling_session_id")
-    if sampler_id is not None:
-        return str(sampler_id), False
+    if body.sampling_session_id is not None:
+        return body.sampling_session_id, False
     create = _create_body(body)
     known = state.implicit_sampler(tenant, create.base_model, create.model_path)
     if known is None:
@@ -137,22 +124,28 @@ async def _sampler_for(state: TinkerState, body: dict, tenant: str) -> tuple[str
 
 
 async def asample(state: TinkerState, request: Request, tenant: str):
-    body, _, body_digest = await read_json_sized(request, state.body_limit)
+    body, _ = await read(request, schemas.Asample, state.json_limit)
+    body_digest = body.digest()
     service = state.service
     sampler_id, shared = await _sampler_for(state, body, tenant)
     sampler = service.samplers.get(sampler_id, tenant)
-    seq_id = field(body, "seq_id", int, required=False)
-    key = (sampler.sampler_id, seq_id)
+    seq_id = body.seq_id
+    key = f"{sampler.sampler_id}:{seq_id}"
     dedupe = seq_id is not None and not shared  # shared samplers serve many clients: no seq_id of their own
-    if dedupe and key in state.samples:
-        request_id, sequence_ids, seen = state.samples[key]
+    known = state.samples.get(key) if dedupe else None
+    if known is not None:
+        request_id, sequence_ids, seen = known
         if seen == body_digest:
             return {"request_id": request_id, "sample_sequence_ids": sequence_ids}
-    num = body.get("num_samples", 1)
+    num = body.num_samples
     request_id = state.futures.new_id()
-    count = num if isinstance(num, int) and 0 < num <= service.limits.max_num_samples else 0
+    count = num if 0 < num <= service.limits.max_num_samples else 0
     sequence_ids = [f"{request_id}:{i}" for i in range(count)]
+    record = body.record_stability_info is True  # stable_reinforce: keep what each sequence was
+    scope = state.sampler_sessions.get(sampler.sampler_id)
     try:
+        if record and scope is None:
+            raise bad_request("record_stability_info", provenance.NO_SESSION)
         host = await service.models.host(sampler.base_model)
         wire, last_n, topk = sample_request(state, body, host.max_seq_len)
         job = service.samplers.submit(sampler.sampler_id, wire, tenant)
@@ -163,12 +156,16 @@ async def asample(state: TinkerState, request: Request, tenant: str):
     except Exception as exc:  # noqa: BLE001 - a bad request is a failed future
         state.futures.add_guarded(tenant, raise_(exc), request_id)
     else:
+        def recorded_and_encoded(result: dict) -> bytes:
+            if record:
+                provenance.record_samples(service.stability, tenant, scope, sampler.sampler_id, wire.prompt_tokens,
+                                          sequence_ids, result["sequences"])
+            return encode_sample_result(result, wire, last_n, topk)
+
         async def convert(result: dict) -> bytes:
-            return await asyncio.to_thread(encode_sample_result, result, wire, last_n, topk)
+            return await asyncio.to_thread(recorded_and_encoded, result)
 
         state.futures.add_guarded(tenant, job_result(job, convert), request_id)
     if dedupe:
-        state.samples[key] = (request_id, sequence_ids, body_digest)
-        while len(state.samples) > MAX_SAMPLE_IDS:
-            state.samples.popitem(last=False)
+        state.samples.put(key, tenant, (request_id, sequence_ids, body_digest))  # this tenant's oldest go first
     return {"request_id": request_id, "sample_sequence_ids": sequence_ids}

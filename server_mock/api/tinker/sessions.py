@@ -9,11 +9,10 @@ import uuid
 from starlette.requests import Request
 
 from pytrio_compat.wire import CreateTrainingRun, LoraSpec
-from server_mock.api.tinker.endpoint import field, read_body, read_json
+from server_mock.api.tinker import records, schemas
+from server_mock.api.tinker.endpoint import read, read_body
 from server_mock.api.tinker.state import TinkerState
 from server_mock.errors import WorkerError, bad_request
-
-LORA_FIELDS = ("rank", "seed", "train_mlp", "train_attn", "train_unembed")
 
 
 async def client_config(state: TinkerState, request: Request, tenant: str):
@@ -26,15 +25,18 @@ async def dynamic_config(state: TinkerState, request: Request, tenant: str):
 
 
 async def create_session(state: TinkerState, request: Request, tenant: str):
-    await read_json(request, state.body_limit)
+    body, _ = await read(request, schemas.CreateSession, state.json_limit)
+    labels = records.user_metadata(body.user_metadata)  # for RestClient.get_session / search_sessions
+    display_name = body.display_name
     await state.expire()
     session = state.new_session(f"sess-{uuid.uuid4().hex[:20]}", tenant)
+    session.user_metadata, session.display_name = labels, display_name[:1024] if display_name else None
     return {"session_id": session.session_id, "type": "create_session"}
 
 
 async def heartbeat(state: TinkerState, request: Request, tenant: str):
-    body = await read_json(request, state.body_limit)
-    session = state.sessions.get(str(body.get("session_id")))
+    body, _ = await read(request, schemas.Heartbeat, state.json_limit)
+    session = state.sessions.get(body.session_id) if body.session_id is not None else None
     if session is None or session.tenant != tenant:  # 410 tells the client to stop sending heartbeats
         raise WorkerError(410, "session_expired", "session_id: this session has finished or expired")
     session.last_seen = time.time()
@@ -42,7 +44,7 @@ async def heartbeat(state: TinkerState, request: Request, tenant: str):
 
 
 async def telemetry(state: TinkerState, request: Request, tenant: str):
-    await read_body(request, state.body_limit)
+    await read_body(request, state.json_limit)
     return {"status": "accepted"}
 
 
@@ -61,26 +63,26 @@ async def healthz(state: TinkerState, request: Request, tenant: str):
 
 
 async def create_model(state: TinkerState, request: Request, tenant: str):
-    body = await read_json(request, state.body_limit)
-    session = state.session(field(body, "session_id", str), tenant)
-    model_seq_id = field(body, "model_seq_id", int)
-    base_model = field(body, "base_model", str)
-    key = (session.session_id, model_seq_id)
+    body, _ = await read(request, schemas.CreateModel, state.json_limit)
+    session = state.session(body.session_id, tenant)
+    key = (session.session_id, body.model_seq_id)
     if key in state.creations:
         request_id, model_id = state.creations[key]
         return {"request_id": request_id, "model_id": model_id}
-    lora = field(body, "lora_config", dict, required=False, default={})
-    optimizer = field(body, "optimizer_config", dict, required=False, default={})
+    lora = body.lora_config or schemas.LoraConfig()
+    optimizer = body.optimizer_config or schemas.OptimizerConfig()
+    labels = records.user_metadata(body.user_metadata)  # RestClient.get_training_run answers them
     state.count_creation(session, "model_seq_id")
-    model_id = f"{session.session_id}:train:{model_seq_id}"
+    model_id = f"{session.session_id}:train:{body.model_seq_id}"
 
     async def create() -> dict:
-        if optimizer.get("type", "adamw") != "adamw":
-            raise bad_request("optimizer_config.type", f"{optimizer.get('type')!r} is not supported; this "
+        if optimizer.type != "adamw":
+            raise bad_request("optimizer_config.type", f"{optimizer.type[:60]!r} is not supported; this "
                                                        "worker trains with adamw only")
-        spec = LoraSpec(**{k: lora[k] for k in LORA_FIELDS if lora.get(k) is not None})
-        run = await state.service.runs.create(CreateTrainingRun(base_model=base_model, lora=spec), tenant)
-        await state.register(session, model_id, run.run_id, run.base_model)
+        spec = LoraSpec(**lora.model_dump(exclude_none=True))
+        run = await state.service.runs.create(CreateTrainingRun(base_model=body.base_model, lora=spec), tenant)
+        run.user_metadata = labels
+        await state.register(session, model_id, run.run_id, run.base_model, labels)
         return {"model_id": model_id, "type": "create_model"}
 
     request_id = state.futures.add_guarded(tenant, create())
@@ -96,8 +98,8 @@ async def get_info(state: TinkerState, request: Request, tenant: str):
     a client on the worker's machine can load offline) unless the operator set ``--tokenizer-id NAME=ID``.
     Nothing else of the worker's filesystem (its storage) is named.
     """
-    body = await read_json(request, state.body_limit)
-    model = state.model(field(body, "model_id", str), tenant)
+    body, _ = await read(request, schemas.GetInfo, state.json_limit)
+    model = state.model(body.model_id, tenant)
     run = state.service.runs.get(model.run_id, tenant)
     host = await state.service.models.host(run.base_model)
     return {

@@ -15,11 +15,13 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from server_mock.api.bodies import json_limit, tensor_limit
 from server_mock.api.tinker.futures import Futures
 from server_mock.api.tinker.gate import SeqGate
 from server_mock.api.tinker.holding import HeldBytes
 from server_mock.api.tinker.proto.decode import ElementBudget
 from server_mock.errors import WorkerError
+from server_mock.service.quotas import TenantLRU
 from server_mock.service.worker import WorkerService
 
 logger = logging.getLogger("server_mock")
@@ -32,6 +34,7 @@ WAITING_BYTES_PER_SESSION_BODIES = 4  # out-of-order requests of a session hold 
 WAITING_BYTES_PER_WORKER_BODIES = 16  # and of the whole worker at most 16 x max_body_bytes
 ELEMENTS_PER_TOKEN = 8  # a forward_backward request's tensors may declare 8 x max_tokens_per_request elements
 IMPLICIT_SAMPLERS_PER_TENANT = 16  # samplers kept for asample calls that name no sampling session
+MAX_SAMPLE_IDS = 20_000  # (sampler, seq_id) pairs remembered per API key to answer re-sent asample requests
 
 
 @dataclass
@@ -42,6 +45,10 @@ class Session:
     last_seen: float = field(default_factory=time.time)
     model_ids: list[str] = field(default_factory=list)
     creations: int = 0
+    # its sampling clients, newest last (the service keeps at most max_samplers of a key's samplers anyway)
+    sampler_ids: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    user_metadata: dict[str, str] | None = None  # create_session's (ServiceClient(user_metadata=...))
+    display_name: str | None = None
 
 
 @dataclass
@@ -52,22 +59,28 @@ class TinkerModel:
     session_id: str
     base_model: str
     gate: SeqGate
+    user_metadata: dict[str, str] | None = None  # create_model's (the cookbook keeps its renderer name there)
+    created: float = field(default_factory=time.time)
+    last_request: float = field(default_factory=time.time)
 
 
 class TinkerState:
     def __init__(self, service: WorkerService) -> None:
         self.service = service
         limits = service.limits
-        self.body_limit = limits.max_body_bytes
-        self.futures = Futures()
+        self.json_limit = json_limit(limits)  # every JSON body
+        self.tensor_limit = tensor_limit(limits)  # forward_backward's protobuf body
+        self.futures = Futures(ttl=service.requests.result_ttl, max_bytes=limits.max_result_bytes)
         self.held = HeldBytes(WAITING_BYTES_PER_SESSION_BODIES * limits.max_body_bytes,
                               WAITING_BYTES_PER_WORKER_BODIES * limits.max_body_bytes)
         self.sessions: dict[str, Session] = {}
         self.models: dict[str, TinkerModel] = {}
         self.creations: dict[tuple[str, int], tuple[str, str]] = {}  # (session, model_seq_id) -> (request, model)
         self.sampling_sessions: dict[tuple[str, int], str] = {}  # (session, sampling_session_seq_id) -> sampler
-        self.samples: OrderedDict[tuple[str, int], tuple[str, list[str], str]] = OrderedDict()
+        # "sampler:seq_id" -> (request id, sequence ids, body digest), to answer re-sent asample requests; per tenant
+        self.samples: TenantLRU[tuple[str, list[str], str]] = TenantLRU(MAX_SAMPLE_IDS)
         self.implicit_samplers: dict[str, OrderedDict[tuple[str | None, str | None], str]] = {}
+        self.sampler_sessions: dict[str, str] = {}  # sampler id -> the session it was made in (provenance scope)
 
     def element_budget(self) -> ElementBudget:
         tokens = self.service.limits.max_tokens_per_request
@@ -109,12 +122,13 @@ class TinkerState:
                               "model_id")
         return model
 
-    async def register(self, session: Session, model_id: str, run_id: str, base_model: str) -> TinkerModel:
+    async def register(self, session: Session, model_id: str, run_id: str, base_model: str,
+                       user_metadata: dict[str, str] | None = None) -> TinkerModel:
         if self.sessions.get(session.session_id) is not session:  # it finished while the model was made
             await self._delete_run(run_id, session.tenant)
             raise WorkerError(404, "session_not_found", f"session_id: session {session.session_id!r} has finished")
         gate = SeqGate(max_ahead=MAX_SEQ_AHEAD, held=self.held, owner=session.session_id)
-        model = TinkerModel(model_id, run_id, session.tenant, session.session_id, base_model, gate)
+        model = TinkerModel(model_id, run_id, session.tenant, session.session_id, base_model, gate, user_metadata)
         self.models[model_id] = model
         session.model_ids.append(model_id)
         return model
@@ -131,6 +145,9 @@ class TinkerState:
             if model is not None:
                 model.gate.close(f"model_id: the session of {model_id!r} finished")
                 await self._delete_run(model.run_id, session.tenant)
+        for sampler_id in session.sampler_ids:
+            self.sampler_sessions.pop(sampler_id, None)
+        self.service.stability.drop_scope(session.tenant, session.session_id)
 
     async def expire(self) -> None:
         """Finish the sessions whose client stopped sending heartbeats (every 10 s while it runs)."""
@@ -145,6 +162,16 @@ class TinkerState:
             await self.service.runs.delete(run_id, tenant)
         except WorkerError:
             pass
+
+    def add_session_sampler(self, session: Session, sampler_id: str) -> None:
+        """A sampling client made in ``session``: its samples may be recorded for stable_reinforce."""
+        if self.sessions.get(session.session_id) is not session:
+            return
+        session.sampler_ids[sampler_id] = None
+        self.sampler_sessions[sampler_id] = session.session_id
+        while len(session.sampler_ids) > self.service.limits.max_samplers:
+            old, _ = session.sampler_ids.popitem(last=False)
+            self.sampler_sessions.pop(old, None)
 
     # -- samplers for asample without a sampling session -----------------------------------------------
 

@@ -7,9 +7,15 @@ Every operation on a training model (forward_backward, optim_step, saves, loads)
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from starlette.requests import Request
+
+from server_mock.api import bodies
+from server_mock.api.tinker import schemas
+from server_mock.api.tinker.endpoint import digest, read_body
 from server_mock.api.tinker.futures import raise_
 from server_mock.api.tinker.holding import Slim
 from server_mock.api.tinker.state import TinkerModel, TinkerState
@@ -44,6 +50,7 @@ def gated(state: TinkerState, tenant: str, model: TinkerModel, seq_id: Any, body
     function run in a thread that gives back the payload)."""
     if isinstance(seq_id, bool) or not isinstance(seq_id, int):
         raise bad_request("seq_id", "required: an integer")
+    model.last_request = time.time()  # TrainingRun.last_request_time (REST)
 
     def submitter(payload) -> Callable[[], Awaitable[Any]]:
         return lambda: submit_op(state, model, tenant, payload, body_digest, convert)
@@ -57,3 +64,27 @@ def gated(state: TinkerState, tenant: str, model: TinkerModel, seq_id: Any, body
         lambda message: state.futures.add_failed(tenant, bad_request("seq_id", message, code="seq_id_conflict")),
         size, slim)
     return {"request_id": request_id, "model_id": model.model_id}
+
+
+async def read_op(state: TinkerState, request: Request, tenant: str, model: type[schemas.TinkerBody]
+                  ) -> tuple[Any, int]:
+    """The body of one operation of a training model, and its size. A body that is refused but names one of the
+    caller's models and a seq_id uses that seq_id up with a failed future, as a refused forward_backward does, so
+    the model's later operations are not held back waiting for it."""
+    raw = await read_body(request, state.json_limit)
+    try:
+        return await bodies.parse_raw(request, model, raw, state.json_limit, schemas.parse), len(raw)
+    except WorkerError as exc:
+        refusal = exc
+        if refusal.status == 400:
+            try:
+                envelope = await bodies.parse_raw(request, schemas.ModelOp, raw, state.json_limit, schemas.parse)
+                target = state.model(envelope.model_id, tenant)
+                gated(state, tenant, target, envelope.seq_id, digest(raw), lambda: raise_now(refusal), None, 0)
+            except WorkerError:
+                pass  # nothing to use up
+        raise
+
+
+def raise_now(exc: BaseException):
+    raise exc

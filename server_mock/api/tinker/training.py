@@ -15,17 +15,23 @@ from dataclasses import dataclass
 
 from starlette.requests import Request
 
-from pytrio_compat.wire import AdamParams, OptimStepOp
-from server_mock.api.tinker.endpoint import digest, field, read_body, read_json_sized
+from pytrio_compat.wire import OptimStepOp
+from server_mock.api import bodies
+from server_mock.api.tinker import provenance, schemas
+from server_mock.api.tinker.endpoint import digest, read_body
 from server_mock.api.tinker.paths import tinker_metrics
 from server_mock.api.tinker.proto import decode as proto
 from server_mock.api.tinker.proto import encode as results
+from server_mock.api.tinker.proto.bounds import TooManyFields, count_fields
 from server_mock.api.tinker.state import TinkerModel, TinkerState
-from server_mock.api.tinker.submit import gated
+from server_mock.api.tinker.submit import gated, raise_now, read_op
 from server_mock.errors import WorkerError, bad_request
 from server_mock.service.ops import DATUM_OVERHEAD_BYTES, ForwardBatch, PreparedOp
 
 # --- forward_backward ---------------------------------------------------------------------------------
+
+PROTO_FIELDS_PER_TOKEN = 1  # a datum has about 22 fields (chunks, tensors, shapes) and, in RL, hundreds of tokens
+MIN_PROTO_FIELDS = 1 << 16
 
 
 @dataclass
@@ -36,13 +42,22 @@ class DecodedForward:
     op: ForwardBatch | None = None
     error: proto.ProtoError | None = None
     size: int = 0  # of the op's arrays
+    spans: list[provenance.DatumSpans] | None = None  # each datum's provenance (model input, loss rows)
 
 
 def decode_forward(raw: bytes, budget: proto.ElementBudget) -> DecodedForward:
     """Runs in a thread: the checked op of a ForwardBackwardRequest body, or why it is refused.
 
     A body that is not a ForwardBackwardRequest at all raises; one that is, but carries bad data,
-    comes back with ``error`` set, so its seq_id can still be used up in order."""
+    comes back with ``error`` set, so its seq_id can still be used up in order. Before it is parsed, the body's
+    fields are counted (at most ``PROTO_FIELDS_PER_TOKEN`` per token of the request's token budget): parsing holds
+    ~50 bytes per message however small, and each datum must hold a token anyway."""
+    limit = max(MIN_PROTO_FIELDS, PROTO_FIELDS_PER_TOKEN * (budget.max_tokens or 0))
+    try:
+        count_fields(raw, proto.pb.ForwardBackwardRequest.DESCRIPTOR, limit)
+    except TooManyFields as exc:
+        raise proto.ProtoError("body", f"{exc} ({PROTO_FIELDS_PER_TOKEN} per token of limit max_tokens_per_request="
+                                       f"{budget.max_tokens})", status=413) from None
     message = proto.parse_forward_backward_request(raw)
     out = DecodedForward(message.model_id, message.seq_id, digest(raw))
     try:
@@ -53,22 +68,25 @@ def decode_forward(raw: bytes, budget: proto.ElementBudget) -> DecodedForward:
     data = [{**d.loss_fn_inputs, "tokens": d.tokens} for d in req.data]  # a loss input named "tokens" is not one
     out.op = ForwardBatch(loss_fn=req.loss_fn, data=data, backward=not req.forward_only,
                           loss_fn_config=req.loss_fn_config)
+    out.spans = [(d.model_input_spans, d.loss_fn_input_spans) for d in req.data]
     out.size = sum(DATUM_OVERHEAD_BYTES + sum(array.nbytes for array in row.values()) for row in data)
     return out
 
 
-def preparer(state: TinkerState, model: TinkerModel, tenant: str) -> Callable[[ForwardBatch], PreparedOp | Exception]:
-    """On the event loop: a function, run in a thread, that checks one of this model's forward ops for the
-    service, or gives back the error (raised when the op's turn comes)."""
+def preparer(state: TinkerState, model: TinkerModel, tenant: str) -> Callable[..., PreparedOp | Exception]:
+    """On the event loop: a function, run in a thread, that checks one of this model's forward ops (and its
+    datums' provenance spans) for the service, or gives back the error (raised when the op's turn comes)."""
     runs = state.service.runs
     try:
         run = runs.get(model.run_id, tenant)
     except Exception as exc:  # noqa: BLE001 - the op's future carries it
         error = exc
-        return lambda op: error
+        return lambda op, spans=None: error
 
-    def prepare(op: ForwardBatch) -> PreparedOp | Exception:
+    def prepare(op: ForwardBatch, spans: list[provenance.DatumSpans] | None = None) -> PreparedOp | Exception:
         try:
+            op = provenance.with_recorded_inputs(state.service.stability, tenant, model.session_id, op,
+                                                 spans or [(None, None)] * len(op.data))
             return runs.prepare(run, op)
         except Exception as exc:  # noqa: BLE001
             return exc
@@ -86,18 +104,20 @@ async def forward_result(result: dict) -> bytes:
 
 
 async def forward_backward(state: TinkerState, request: Request, tenant: str):
-    raw = await read_body(request, state.body_limit)  # its Content-Type was checked: application/x-protobuf
+    raw = await read_body(request, state.tensor_limit, json_values=False)  # Content-Type: application/x-protobuf
     budget = state.element_budget()
     try:
-        decoded = await asyncio.to_thread(decode_forward, raw, budget)
+        async with bodies.parsing(request, len(raw)):
+            decoded = await asyncio.to_thread(decode_forward, raw, budget)
     except proto.ProtoError as exc:
-        raise WorkerError(400, "invalid_protobuf", str(exc), exc.field) from None
+        code = "request_too_large" if exc.status == 413 else "invalid_protobuf"
+        raise WorkerError(exc.status, code, str(exc), exc.field) from None
     model = state.model(decoded.model_id, tenant)
     error = decoded.error
     if error is None:
         prepare = preparer(state, model, tenant)
-        work = await asyncio.to_thread(prepare, decoded.op)  # checked and decoded for the service, off the loop
-        decoded.op = None
+        work = await asyncio.to_thread(prepare, decoded.op, decoded.spans)  # checked for the service, off the loop
+        decoded.op = decoded.spans = None
         # one the service refuses still waits its turn as before, holding its body, and fails then
         size = work.nbytes if isinstance(work, PreparedOp) else decoded.size
         # While it waits for an earlier seq_id, a request keeps its body (smaller than the prepared op)
@@ -108,35 +128,32 @@ async def forward_backward(state: TinkerState, request: Request, tenant: str):
     # back waiting for it, and the request itself is answered with the reason.
     code = "request_too_large" if error.status == 413 else "invalid_protobuf"
     refusal = WorkerError(error.status, code, str(error), error.field)
-    gated(state, tenant, model, decoded.seq_id, decoded.digest, lambda: _raise_now(refusal), None, 0)
+    gated(state, tenant, model, decoded.seq_id, decoded.digest, lambda: raise_now(refusal), None, 0)
     raise refusal
-
-
-def _raise_now(exc: BaseException):
-    raise exc
 
 
 def _op_again(raw: bytes, budget: proto.ElementBudget, prepare: Callable[[ForwardBatch], PreparedOp | Exception]):
     decoded = decode_forward(raw, budget)
     if decoded.error is not None:  # checked once already: only a changed limit could get here
         raise decoded.error
-    return prepare(decoded.op)
+    return prepare(decoded.op, decoded.spans)
 
 
 # --- optim_step ---------------------------------------------------------------------------------------
 
 
-def _adam_params(body: dict) -> OptimStepOp:
-    params = body.get("adam_params") or body.get("optim_params")
-    other = body.get("optimizer_params")
-    if params is None and isinstance(other, dict) and other.get("type") not in (None, "adam", "adamw"):
-        raise bad_request("optimizer_params.type", f"{other.get('type')!r} is not supported; this worker "
+def _sent(params: schemas.Adam | None) -> schemas.Adam | None:
+    return params if params is not None and params.model_fields_set else None  # {} asks for nothing
+
+
+def _adam_params(body: schemas.OptimStep) -> OptimStepOp:
+    params = _sent(body.adam_params) or _sent(body.optim_params)
+    other = body.optimizer_params
+    if params is None and other is not None and other.type not in (None, "adam", "adamw"):
+        raise bad_request("optimizer_params.type", f"{other.type[:60]!r} is not supported; this worker "
                                                    "trains with adamw only")
-    params = params or other or {}
-    if not isinstance(params, dict):
-        raise bad_request("adam_params", "must be an object")
-    known = AdamParams.model_fields
-    return OptimStepOp(adam_params=AdamParams(**{k: v for k, v in params.items() if k in known}))
+    params = params or other or schemas.Adam()
+    return OptimStepOp(adam_params=params.params())
 
 
 def _optim_metrics(result: dict) -> dict:
@@ -147,7 +164,6 @@ def _optim_metrics(result: dict) -> dict:
 
 
 async def optim_step(state: TinkerState, request: Request, tenant: str):
-    body, size, body_digest = await read_json_sized(request, state.body_limit)
-    model = state.model(field(body, "model_id", str), tenant)
-    return gated(state, tenant, model, body.get("seq_id"), body_digest, lambda: _adam_params(body), _optim_metrics,
-                 size)
+    body, size = await read_op(state, request, tenant, schemas.OptimStep)
+    model = state.model(body.model_id, tenant)
+    return gated(state, tenant, model, body.seq_id, body.digest(), lambda: _adam_params(body), _optim_metrics, size)

@@ -20,6 +20,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from server_mock.api.tinker.proto import tinker_wire_pb2 as pb
+from server_mock.service.stability import Span
 
 DTYPE_FLOAT32 = pb.DTYPE_FLOAT32
 DTYPE_INT64 = pb.DTYPE_INT64
@@ -148,6 +149,40 @@ def decode_tensor(tensor: pb.Tensor, where: str, budget: ElementBudget) -> np.nd
 class ProtoDatum:
     tokens: np.ndarray  # int64 [N]
     loss_fn_inputs: dict[str, np.ndarray]
+    # provenance (Datum.with_provenance): runs tiling model_input and target_tokens, both or neither
+    model_input_spans: list[Span] | None = None
+    loss_fn_input_spans: list[Span] | None = None
+
+
+MAX_SEQUENCE_ID_CHARS = 256
+
+
+def _decode_spans(spans, where: str, size: int | None, budget: ElementBudget) -> list[Span]:
+    """One provenance list: each run a prompt or sampled span with a sequence id, offset >= 0 and length >= 0
+    (the SDK allows empty runs), together tiling the ``size`` positions of their field (None: not checked here,
+    the field is missing and the loss's checks say so)."""
+    bound = 2 * (size or 0) + 2  # runs that tile ``size`` positions, allowing a few empty ones
+    if len(spans) > bound:
+        raise ProtoError(where, f"{len(spans)} provenance spans for {size} positions (at most {bound})", status=413)
+    budget.take(len(spans), where)
+    out = []
+    for j, span in enumerate(spans):
+        kind = span.WhichOneof("span")
+        if kind is None:
+            raise ProtoError(f"{where}[{j}]", "a provenance span with neither prompt_tokens nor sampled_tokens")
+        ref = getattr(span, kind)
+        if not ref.sequence_id or len(ref.sequence_id) > MAX_SEQUENCE_ID_CHARS:
+            raise ProtoError(f"{where}[{j}].sequence_id", f"must be a non-empty SampledSequence.sequence_id of at "
+                                                          f"most {MAX_SEQUENCE_ID_CHARS} characters")
+        if ref.offset < 0 or ref.length < 0 or ref.offset > MAX_TENSOR_DIM or ref.length > MAX_TENSOR_DIM:
+            raise ProtoError(f"{where}[{j}]", f"offset ({ref.offset}) and length ({ref.length}) must be in "
+                                              f"[0, {MAX_TENSOR_DIM}]")
+        out.append(Span("prompt" if kind == "prompt_tokens" else "sampled", ref.sequence_id, int(ref.offset),
+                        int(ref.length)))
+    if size is not None and sum(s.length for s in out) != size:
+        raise ProtoError(where, f"the spans must tile the field: their lengths add up to "
+                                f"{sum(s.length for s in out)}, the field has {size} positions")
+    return out
 
 
 @dataclass
@@ -184,10 +219,22 @@ def _decode_datum(datum: pb.Datum, index: int, budget: ElementBudget) -> ProtoDa
             raise ProtoError(f"{where}.model_input[{j}]", "audio (dmel) chunks are not supported")
         else:
             raise ProtoError(f"{where}.model_input[{j}]", "an empty chunk (expected encoded_text)")
+    if not any(len(t) for t in tokens):  # refused now: a body of empty datums would cost decoding for nothing
+        raise ProtoError(f"{where}.model_input", "a datum needs at least one token")
     inputs = {key: decode_tensor(value, f"{where}.loss_fn_inputs.{key}", budget)
               for key, value in datum.loss_fn_inputs.items()}
     all_tokens = np.concatenate(tokens) if tokens else np.zeros(0, dtype=np.int64)
-    return ProtoDatum(all_tokens.astype(np.int64, copy=False), inputs)
+    out = ProtoDatum(all_tokens.astype(np.int64, copy=False), inputs)
+    if datum.model_input_spans or datum.loss_fn_input_spans:
+        if not (datum.model_input_spans and datum.loss_fn_input_spans):
+            raise ProtoError(f"{where}.model_input_spans", "model_input_spans and loss_fn_input_spans are set "
+                                                           "together or not at all (Datum.with_provenance)")
+        targets = inputs.get("target_tokens")
+        out.model_input_spans = _decode_spans(datum.model_input_spans, f"{where}.model_input_spans",
+                                              len(all_tokens), budget)
+        out.loss_fn_input_spans = _decode_spans(datum.loss_fn_input_spans, f"{where}.loss_fn_input_spans",
+                                                None if targets is None or targets.ndim == 0 else len(targets), budget)
+    return out
 
 
 def decode_forward_backward_request(buf: bytes | pb.ForwardBackwardRequest,

@@ -15,7 +15,8 @@ MASK_LOGPROB = -99999.0  # an empty top-k cell (token id 0)
 
 
 def _batched_tensor(target: pb.BatchedTensor, arrays: list[np.ndarray]) -> None:
-    """One field of an ArrayRecord: every datum's flat array concatenated, with int64 byte offsets."""
+    """One field of an ArrayRecord: every datum's flat array concatenated, with int64 byte offsets, and the
+    shape each datum has after its first axis (``trailing_shape``: [] for [N] arrays, [K] for [N, K] ones)."""
     is_float = not arrays or np.issubdtype(arrays[0].dtype, np.floating)
     np_dtype, enum = ("<f4", DTYPE_FLOAT32) if is_float else ("<i8", DTYPE_INT64)
     flat = [np.ascontiguousarray(a, dtype=np_dtype).reshape(-1) for a in arrays]
@@ -24,15 +25,31 @@ def _batched_tensor(target: pb.BatchedTensor, arrays: list[np.ndarray]) -> None:
     target.data = np.concatenate(flat).tobytes() if flat else b""
     target.offsets = offsets.tobytes()
     target.dtype = enum
+    if arrays and arrays[0].ndim > 1:
+        target.trailing_shape.extend(int(d) for d in arrays[0].shape[1:])
+
+
+def _trailing_shapes(output: dict[str, np.ndarray]) -> tuple:
+    return tuple((name, array.shape[1:]) for name, array in output.items())
 
 
 def encode_forward_backward_output(outputs: list[dict[str, np.ndarray]], metrics: dict[str, float],
                                    output_type: str = "ArrayRecord") -> bytes:
-    """A ForwardBackwardOutput with one ArrayRecord holding every datum (1-D per-datum arrays)."""
+    """A ForwardBackwardOutput: one ArrayRecord per run of consecutive datums whose arrays have the same shape
+    after their first axis (one record when every output is 1-D; soft targets give [N, K] logprobs, and the
+    client reads the records in order, each with its own trailing shape)."""
     message = pb.ForwardBackwardOutput(loss_fn_output_type=output_type)
-    record = message.loss_fn_outputs.add(type_tag=output_type, num_datums=len(outputs))
-    for name in (list(outputs[0]) if outputs else []):
-        _batched_tensor(record.fields[name], [o[name] for o in outputs])
+    start = 0
+    while start < len(outputs):
+        end = start + 1
+        while end < len(outputs) and _trailing_shapes(outputs[end]) == _trailing_shapes(outputs[start]):
+            end += 1
+        record = message.loss_fn_outputs.add(type_tag=output_type, num_datums=end - start)
+        for name in outputs[start]:
+            _batched_tensor(record.fields[name], [o[name] for o in outputs[start:end]])
+        start = end
+    if not outputs:
+        message.loss_fn_outputs.add(type_tag=output_type, num_datums=0)
     for key, value in metrics.items():
         message.metrics[key] = float(value)
     return message.SerializeToString()

@@ -1,0 +1,21 @@
+"""Tiny random vision-language models on disk, one per family, shared by the engine's image tests."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm_dir(tmp_path_factory):
+    """``tiny_vlm_dir(arch)``: the folder of a tiny VLM of ``arch`` (seed 0), written once per session."""
+    from server_mock.engine.tiny_vlm import make_tiny_vlm
+
+    root = tmp_path_factory.mktemp("tiny-vlms")
+    made: dict[str, object] = {}
+
+    def get(arch: str):
+        if arch not in made:
+            made[arch] = make_tiny_vlm(root / arch, arch=arch, seed=0)
+        return made[arch]
+
+    return get
