@@ -8,6 +8,7 @@ import threading
 import time
 
 import httpx
+import pytest
 from support import running_worker
 
 from server_mock.engine.queue import Job, ModelQueue
@@ -211,12 +212,12 @@ def test_a_short_sample_does_not_wait_for_another_tenants_longest_request(tiny_m
             httpx.Client(base_url=worker.base_url, headers={"Authorization": f"Bearer {KEY_B}"}, timeout=90) as b:
         b_samplers = _b_setup(b)
         alone = [_done(b, b.post(f"/v1/samplers/{s}/sample", json=SHORT).json()["request_id"]) for s in b_samplers]
-        # A's longest allowed request: max_num_samples rows to the model's whole context (2048), never stopping;
-        # one more sample is refused
+        # A's longest allowed request: rows to the model's whole context (2048), never stopping, as many as the
+        # request token budget allows (--max-sample-request-tokens 262144 = 128 x 2048); one more row is refused
         sampler = a.post("/v1/samplers", json={"base_model": "tiny"}).json()["sampler_id"]
-        over = {"prompt_tokens": [5, 6, 7, 8], "num_samples": 257, "sampling_params": {"max_tokens": 2044}}
+        over = {"prompt_tokens": [5, 6, 7, 8], "num_samples": 129, "sampling_params": {"max_tokens": 2044}}
         assert a.post(f"/v1/samplers/{sampler}/sample", json=over).status_code == 413
-        a_id = _start_long(a, 256, 2044)
+        a_id = _start_long(a, 128, 2044)
         b_ids = [b.post(f"/v1/samplers/{s}/sample", json=SHORT).json()["request_id"] for s in b_samplers]
         got = [_done(b, rid) for rid in b_ids]
         # both of B's requests finished while A's was still decoding: B waited for slices, not for A's request
@@ -227,8 +228,11 @@ def test_a_short_sample_does_not_wait_for_another_tenants_longest_request(tiny_m
         assert [r["metrics"]["batch_requests"] for r in got] == [1.0, 1.0]
 
 
-def test_a_request_for_the_same_weights_joins_another_tenants_running_batch(tiny_model_dir, tmp_path):
-    with running_worker(tiny_model_dir, tmp_path, api_keys=[KEY_A, KEY_B]) as worker, \
+@pytest.mark.parametrize("across", [True, False], ids=["batch-across-tenants", "per-tenant-batches"])
+def test_a_request_for_the_same_weights_joins_another_tenants_running_batch(tiny_model_dir, tmp_path, across):
+    """With --batch-across-tenants B joins A's running batch; by default it waits for a slice of its own."""
+    flags = ["--batch-across-tenants"] if across else []
+    with running_worker(tiny_model_dir, tmp_path, *flags, api_keys=[KEY_A, KEY_B]) as worker, \
             httpx.Client(base_url=worker.base_url, headers={"Authorization": f"Bearer {KEY_A}"}, timeout=90) as a, \
             httpx.Client(base_url=worker.base_url, headers={"Authorization": f"Bearer {KEY_B}"}, timeout=90) as b:
         base = b.post("/v1/samplers", json={"base_model": "tiny"}).json()["sampler_id"]
@@ -236,7 +240,8 @@ def test_a_request_for_the_same_weights_joins_another_tenants_running_batch(tiny
         a_id = _start_long(a, 8, 2044)  # 8 x 2048 tokens: within the batch token budget (65,536)
         mine = _done(b, b.post(f"/v1/samplers/{base}/sample", json=SHORT).json()["request_id"])
         assert a.get(f"/v1/requests/{a_id}").json()["status"] == "running"
-        assert mine["metrics"]["batch_requests"] == 2.0  # it joined A's batch while that decoded
+        # it joined A's batch while that decoded, or (tenants apart) decoded in a batch of its own
+        assert mine["metrics"]["batch_requests"] == (2.0 if across else 1.0)
         assert [s["tokens"] for s in mine["sequences"]] == [s["tokens"] for s in alone["sequences"]]
         for x, y in zip(mine["sequences"], alone["sequences"]):
             assert max(abs(p - q) for p, q in zip(x["logprobs"], y["logprobs"])) < 1e-5
