@@ -191,6 +191,16 @@ class Runs:
             return PreparedOp("load_state", lambda: self.checkpoints.load(run, host, ref, op.load_optimizer))
         raise bad_request("payload.op", "unknown operation")
 
+    def export_op(self, training_run_id: str, tenant: str, name: str, ttl_seconds: int | None, layout,
+                  recipients: list) -> PreparedOp:
+        """The op that writes a run's current weights as external weights for download
+        (``Checkpoints.save_export``), checked now; submit it like any other op so it runs in seq_id order."""
+        run = self.get(training_run_id, tenant)
+        check_name(name, "path")
+        host = self.models.loaded(run.base_model)
+        return PreparedOp("save_weights_external",
+                          lambda: self.checkpoints.save_export(run, host, name, ttl_seconds, layout, recipients))
+
     def submit(self, training_run_id: str, work: PreparedOp | BaseException | Op, tenant: str, *,
                seq_id: int | None, body_hash: str = "", encode: Callable[[dict], dict] | None = None) -> Admission:
         """Accept one op of a run: ``seq_id`` must be the next one (a resent seq_id with the same body hash

@@ -25,6 +25,7 @@ from server_mock.service.quotas import ByteBudget, TenantLRU
 from server_mock.service.runs import Runs
 from server_mock.service.samplers import Samplers
 from server_mock.service.stability import StabilityRecords
+from server_mock.storage.archive import Archives
 from server_mock.storage.checkpoints import CheckpointStore
 from server_mock.training import faults
 
@@ -43,7 +44,8 @@ class WorkerService:
         self.store.build_index()  # which runs are whose: listings then read only the caller's folders
         self.models = Models(models, device, dtype, self.requests, self.limits, train_options or TrainOptions(),
                              lazy=lazy_models, cluster=cluster, tokenizer_ids=tokenizer_ids, lazy_allow=lazy_allow)
-        self.checkpoints = Checkpoints(self.store, TenantLRU(self.limits.max_snapshots))
+        self.checkpoints = Checkpoints(self.store, TenantLRU(self.limits.max_snapshots),
+                                       Archives(self.store, self.limits.max_archive_builds))
         total = self.limits.max_adapter_bytes_total or device_memory(device) // 2
         self.adapter_memory = ByteBudget(self.limits.max_adapter_bytes or total // 4, total, "lora",
                                          "max_adapter_bytes", "max_adapter_bytes_total")
