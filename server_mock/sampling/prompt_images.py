@@ -1,5 +1,7 @@
-"""Prompts with images in the decode loop: the prefill takes the images' pixel inputs (the vision encoder runs
-once per prefilled prompt, however many samples share it), every later step is text only.
+"""Prompts with images in the decode loop (``decode_batch.DecodeBatch``): the prefill takes the images' pixel inputs
+(the vision encoder runs once per prefilled prompt, however many samples share it); every later step is text only
+and passes no image inputs (a decoded token is text: the placeholder is never drawn, and it attends causally
+whatever the type ids say; Gemma 3's both-ways attention is among an image's own tokens, already in the cache).
 
 What the model needs beside the token ids comes from the served model's image processing (``vision``, an
 ``engine.vision.ImageProcessing``): the pixel inputs and image-token type ids of the prefill, and for the Qwen
@@ -26,17 +28,6 @@ class ImagePrefill:
     vision: Any
     prefill_inputs: dict[str, Any]  # the prefill's image kwargs and position_ids
     next_positions: torch.Tensor | None  # (B,) the position of each prefill row's next token (None: the cache's)
-
-    def step_inputs(self, positions: torch.Tensor | None, step_ids: torch.Tensor
-                    ) -> tuple[torch.Tensor | None, dict[str, Any]]:
-        """The position_ids and extra kwargs of one decode step over ``step_ids`` (B, 1) at ``positions`` (B, 1)."""
-        # no type ids: a decoded token is text (placeholders are never drawn) and attends causally whatever they say
-        # (Gemma 3's both-ways attention is among an image's own tokens, already in the cache), so they would only
-        # add a mask function to every step
-        extra: dict[str, Any] = {}
-        if self.vision.family.mrope:
-            positions = positions[None].expand(3, -1, -1)
-        return positions, extra
 
 
 def prefill(vision, specs: list, ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor | None,
