@@ -306,3 +306,34 @@ def test_text_only_model_refuses_images(tmp_path):
     with pytest.raises(WorkerError) as err:
         sample_spec(host, [5, 6], [image(png(16, 16), 1)])
     assert err.value.status == 400 and err.value.field == "prompt_images" and "text-only" in err.value.message
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "gemma3"])
+def test_an_image_request_joins_a_running_batch_and_gets_what_it_gets_alone(hosts, arch):
+    """Continuous admission: a text request decoding, an image request joins it between steps (its rows stacked
+    under the running ones), then a text request joins both; each gets the tokens and logprobs it gets alone."""
+    host = hosts(arch)
+    pic = png(32, 16, 11)
+    text1 = sample_spec(host, text_ids(host, 5, 12), None, n=2, max_tokens=12, temperature=0.0)
+    pictured = sample_spec(host, text_ids(host, 3, 13) + text_ids(host, 6, 14), [image(pic, 3)], n=3, max_tokens=8,
+                           seed=2)
+    text2 = sample_spec(host, text_ids(host, 11, 15), None, n=1, max_tokens=5, seed=3)
+    session = host.sampling_session(None)
+    handles = [session.add(text1)]
+    finished = {}
+    steps = iter(range(1000))
+    for h, res, _ in session.run(lambda: next(steps) >= 2):
+        finished[h] = res
+    assert session.can_add()
+    handles.append(session.add(pictured))
+    for h, res, _ in session.run(lambda: next(steps) >= 5):
+        finished[h] = res
+    handles.append(session.add(text2))
+    while session.active:
+        for h, res, _ in session.run(lambda: False):
+            finished[h] = res
+    for spec, h in zip([text1, pictured, text2], handles):
+        alone = host.sample_batch(None, [spec], {})[0]
+        for x, y in zip(finished[h].sequences, alone.sequences):
+            assert x.tokens == y.tokens
+            np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5, rtol=0)
