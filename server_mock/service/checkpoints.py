@@ -12,8 +12,9 @@ import time
 
 from pytrio_compat.wire import CheckpointConfig, CheckpointEntry, CheckpointList, LoraSpec, SaveOp
 from server_mock.engine.host import ModelHost
-from server_mock.errors import WorkerError, not_found
+from server_mock.errors import WorkerError, not_found, storage_error
 from server_mock.lora import Snapshot
+from server_mock.service.journal import Journal
 from server_mock.service.quotas import TenantLRU
 from server_mock.storage.checkpoints import CheckpointRef, CheckpointStore, expires_at, parse_path
 
@@ -24,8 +25,10 @@ def checkpoint_id(path: str) -> str:
 
 
 class Checkpoints:
-    def __init__(self, store: CheckpointStore, snapshots: TenantLRU[tuple[str, Snapshot]]) -> None:
+    def __init__(self, store: CheckpointStore, snapshots: TenantLRU[tuple[str, Snapshot]],
+                 journal: Journal | None = None) -> None:
         self.store = store
+        self.journal = journal  # --durability full: in-memory snapshots written there too (service/journal.py)
         self.snapshots = snapshots  # sampler path -> (base model, weights) kept in memory, per tenant
         # expiry time of the saved checkpoints held in ``snapshots``: a sampler reading one stops at its expiry
         # without a disk read
@@ -44,6 +47,12 @@ class Checkpoints:
         if when is not None and when <= time.time():
             self.snapshots.pop(path)
             self.snapshot_expiry.pop(path, None)
+
+    def put_snapshot(self, path: str, tenant: str, base_model: str, snap: Snapshot) -> None:
+        """Keep an in-memory snapshot (the tenant's least recently used one goes when over its quota)."""
+        for evicted in self.snapshots.put(path, tenant, (base_model, snap)):
+            if self.journal is not None:
+                self.journal.snapshot_dropped(evicted)
 
     def owned_ref(self, path: str, tenant: str, field_name: str) -> CheckpointRef:
         """The checkpoint (on disk or an in-memory snapshot) at ``path`` if it is this tenant's; else 404.
@@ -134,7 +143,12 @@ class Checkpoints:
         ref = CheckpointRef(run.run_id, kind, op.name)
         if kind == "sampler" and op.ephemeral:
             snap = host.snapshot(adapter)
-            self.snapshots.put(ref.path, run.tenant, (run.base_model, snap))
+            if self.journal is not None:
+                try:
+                    self.journal.snapshot_saved(ref.path, run.tenant, run.base_model, snap)
+                except Exception as exc:  # noqa: BLE001 - a full disk: no snapshot
+                    raise storage_error(op.op, exc) from exc
+            self.put_snapshot(ref.path, run.tenant, run.base_model, snap)
             size = sum(t.numel() * t.element_size() for t in snap.tensors.values())
             return {"path": ref.path, "size": size, "model": run.base_model}
         meta = {"base_model": run.base_model, "lora": run.spec.model_dump(), "tenant": run.tenant,

@@ -45,11 +45,13 @@ class ForwardBatch:
 
 @dataclass
 class PreparedOp:
-    """An op ready for the model's thread: ``work()`` computes its result; ``nbytes`` is what it holds."""
+    """An op ready for the model's thread: ``work()`` computes its result; ``nbytes`` is what it holds; ``record``
+    is what the durable journal keeps to run it again after a restart (``Runs.from_record``)."""
 
     kind: str
     work: Callable[[], dict]
     nbytes: int = 0
+    record: dict | None = None
 
 
 def prepare_forward(batch: ForwardBatch, host: ModelHost, adapter, limits: Limits,
@@ -72,4 +74,6 @@ def prepare_forward(batch: ForwardBatch, host: ModelHost, adapter, limits: Limit
         return {"loss_fn_outputs": out["outputs"], "metrics": out["metrics"]}
 
     nbytes = sum(DATUM_OVERHEAD_BYTES + sum(array.nbytes for array in row.values()) for row in data)
-    return PreparedOp(batch.kind, run_forward, nbytes)
+    record = {"op": "forward", "loss_fn": loss_fn, "data": data, "backward": batch.backward,
+              "loss_fn_config": dict(batch.loss_fn_config), "loss_scale": batch.loss_scale}
+    return PreparedOp(batch.kind, run_forward, nbytes, record)
