@@ -20,6 +20,7 @@ from server_mock.config import Limits
 from server_mock.engine.host import ModelHost
 from server_mock.errors import bad_request
 from server_mock.service.validation import validate_rows
+from server_mock.storage import crash_points
 from server_mock.training import faults, losses
 
 DATUM_OVERHEAD_BYTES = 256  # counted per datum on top of its arrays
@@ -71,6 +72,8 @@ def prepare_forward(batch: ForwardBatch, host: ModelHost, adapter, limits: Limit
     def run_forward() -> dict:
         with faults.injected(fault, list(adapter.params.values())):
             out = host.forward_backward(adapter, data, loss_fn, config, batch.backward, batch.loss_scale)
+        if batch.backward:
+            crash_points.reached("forward_backward")  # (kill tests) the gradients accumulated, nothing answered
         return {"loss_fn_outputs": out["outputs"], "metrics": out["metrics"]}
 
     nbytes = sum(DATUM_OVERHEAD_BYTES + sum(array.nbytes for array in row.values()) for row in data)

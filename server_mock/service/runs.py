@@ -345,8 +345,6 @@ class Runs:
         host = self.models.loaded(run.base_model)
 
         def record(job: Job, result: dict | None, error) -> None:
-            if kind == "forward_backward":
-                crash_points.reached(kind)
             changed = error is None and kind in STATE_OPS and run.run_id in self._runs
             self.journal.op_finished(run.run_id, seq_id, job, result, error, host, run.adapter if changed else None)
 
