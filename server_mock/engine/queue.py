@@ -222,7 +222,8 @@ async def job_result(job: Job, convert: Callable[[dict], Any] | None = None) -> 
         err = job.error
         if err is None:
             raise WorkerError(500, "internal_error", f"{job.kind} failed")
-        raise WorkerError(500 if err.code in SERVER_ERROR_CODES else 400, err.code, err.message, err.field)
+        status = 500 if err.code in SERVER_ERROR_CODES else 507 if err.status == 507 else 400
+        raise WorkerError(status, err.code, err.message, err.field)
     result = job.result or {}
     if convert is None:
         return result

@@ -26,8 +26,9 @@ def checkpoint_id(path: str) -> str:
 
 class Checkpoints:
     def __init__(self, store: CheckpointStore, snapshots: TenantLRU[tuple[str, Snapshot]],
-                 journal: Journal | None = None) -> None:
+                 journal: Journal | None = None, max_bytes_per_tenant: int = 0) -> None:
         self.store = store
+        self.max_bytes_per_tenant = max_bytes_per_tenant  # --max-storage-bytes-per-tenant (0: no limit)
         self.journal = journal  # --durability full: in-memory snapshots written there too (service/journal.py)
         self.snapshots = snapshots  # sampler path -> (base model, weights) kept in memory, per tenant
         # expiry time of the saved checkpoints held in ``snapshots``: a sampler reading one stops at its expiry
@@ -160,10 +161,27 @@ class Checkpoints:
         if kind == "state":
             tensors["optimizer.safetensors"] = host.optimizer_state(adapter)
         files = {"adapter_config.json": host.peft_adapter_config(run.spec)}
-        size = self.store.write(ref, meta, tensors, files, overwrite=op.overwrite)
+        self._check_budget(run.tenant, ref, tensors)
+        try:
+            size = self.store.write(ref, meta, tensors, files, overwrite=op.overwrite)
+        except OSError as exc:  # a full disk: the temporary folder is gone, no checkpoint half written
+            raise storage_error(op.op, exc) from exc
         if kind == "sampler":
             self.snapshots.pop(ref.path)  # a re-save must not serve the old weights
         return {"path": ref.path, "size": size, "model": run.base_model}
+
+    def _check_budget(self, tenant: str, ref: CheckpointRef, tensors: dict) -> None:
+        """Refuse a save that would take the tenant's checkpoints past --max-storage-bytes-per-tenant, before any
+        byte is written (a checkpoint it overwrites is not counted)."""
+        if not self.max_bytes_per_tenant:
+            return
+        new = sum(t.numel() * t.element_size() for state in tensors.values() for t in state.values())
+        used = sum(size for other, _, size in self.records(tenant) if other.path != ref.path)
+        if used + new > self.max_bytes_per_tenant:
+            raise WorkerError(507, "storage_budget_exceeded",
+                              f"this API key's checkpoints hold {used} bytes and this one needs about {new} more, past "
+                              f"max_storage_bytes_per_tenant={self.max_bytes_per_tenant}: delete checkpoints (or "
+                              "give them a ttl_seconds) or raise --max-storage-bytes-per-tenant")
 
     def load(self, run, host: ModelHost, ref: CheckpointRef, with_optimizer: bool) -> dict:
         weights = self.store.read_tensors(ref, "adapter_model.safetensors")

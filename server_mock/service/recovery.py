@@ -30,8 +30,8 @@ async def recover(service) -> dict[str, int]:
     if journal is None:
         return {}
     started = time.perf_counter()
-    counts = {"orphans_removed": journal.collect_orphans() + service.store.remove_leftovers(), "requests": 0, "snapshots": 0, "samplers": 0,
-              "runs": 0, "samples_requeued": 0}
+    counts = {"orphans_removed": journal.collect_orphans() + service.store.remove_leftovers(), "requests": 0,
+              "snapshots": 0, "samplers": 0, "runs": 0, "samples_requeued": 0}
     now = time.time()
     for rid, tenant, kind, _status, result, error, finished in journal.finished_requests():
         err = None if error is None else WorkerError(error["status"], error["code"], error["message"], error["field"])

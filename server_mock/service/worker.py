@@ -48,7 +48,8 @@ class WorkerService:
         self.store.build_index()  # which runs are whose: listings then read only the caller's folders
         self.models = Models(models, device, dtype, self.requests, self.limits, train_options or TrainOptions(),
                              lazy=lazy_models, cluster=cluster, tokenizer_ids=tokenizer_ids, lazy_allow=lazy_allow)
-        self.checkpoints = Checkpoints(self.store, TenantLRU(self.limits.max_snapshots), self.journal)
+        self.checkpoints = Checkpoints(self.store, TenantLRU(self.limits.max_snapshots), self.journal,
+                                       self.storage_options.max_storage_bytes_per_tenant)
         total = self.limits.max_adapter_bytes_total or device_memory(device) // 2
         self.adapter_memory = ByteBudget(self.limits.max_adapter_bytes or total // 4, total, "lora",
                                          "max_adapter_bytes", "max_adapter_bytes_total")

@@ -4,10 +4,11 @@ sampling) and check what a restart on the same storage recovers.
 
 Off unless the worker starts with ``PYTRIO_WORKER_FAULT_INJECTION=1`` and ``PYTRIO_WORKER_CRASH_AT`` names points:
 ``point:n[,point:n...]`` kills the process the ``n``-th time (counted from 1, in this process) it reaches ``point``.
-The points: ``forward_backward`` (after the gradients were accumulated, before the result is recorded),
-``optim_step`` (before the step), ``save_state`` / ``save_weights`` (after the tensor files of a state / sampler
-checkpoint on disk are written, before its folder is renamed into place), ``sample`` (after the tokens were generated, before the result is recorded),
-``state_write`` (after a run's state file is written, before the database names it).
+The points: ``forward_backward`` (after the gradients were
+accumulated, before anything is answered), ``optim_step`` (before the step), ``save_state`` / ``save_weights``
+(after the tensor files of a state / sampler checkpoint on disk are written, before its folder is renamed into
+place), ``sample`` (after the tokens were generated, before anything is answered), ``state_write`` (after a run's
+state file is written, before the database names it).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Request results and op payloads as bytes for the durable store: msgpack, with numpy arrays as typed binary
-(dtype, shape, little-endian bytes), never pickle. ``pack`` and ``unpack`` round-trip dicts, lists, strings,
+(dtype, shape, little-endian bytes), with no pickle anywhere; ``pack`` and ``unpack`` round-trip dicts, lists, strings,
 numbers, booleans, None and numpy arrays exactly (bit for bit)."""
 
 from __future__ import annotations
