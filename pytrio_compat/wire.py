@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 # Models that are on the wire as they are in the public API: the worker takes them from here, so this
 # module is the whole of what it shares with the client.
@@ -121,7 +121,7 @@ class SaveOp(WireModel):
     # A sampler snapshot kept only in memory (no file) for save_weights_and_get_sampling_client.
     ephemeral: bool = False
     # Labels kept with the checkpoint (Tinker's save_state / save_weights_for_sampler user_metadata).
-    user_metadata: dict[str, str] | None = None
+    user_metadata: bounded_dict(str, MAX_KEYS) | None = None
 
 
 class LoadOp(WireModel):
@@ -187,21 +187,22 @@ class WireSamplingParams(WireModel):
     """Sampling parameters. The worker bounds what drives work per decoding step: by default at most 16
     ``stop`` strings of at most 256 UTF-8 bytes each and 1024 ``stop_token_ids`` (413 naming the limit)."""
 
-    max_tokens: int
+    # integers strict: JSON true is not a token id or a count
+    max_tokens: StrictInt
     temperature: float = 1.0
-    top_k: int = -1
+    top_k: StrictInt = -1
     top_p: float = 1.0
-    seed: int | None = None
+    seed: StrictInt | None = None
     stop: bounded_list(str, MAX_ITEMS) | None = None
-    stop_token_ids: bounded_list(int, MAX_ITEMS) | None = None
+    stop_token_ids: bounded_list(StrictInt, MAX_ITEMS) | None = None
 
 
 class SampleRequest(WireModel):
-    prompt_tokens: bounded_list(int, MAX_TOKENS)
-    num_samples: int = 1
+    prompt_tokens: bounded_list(StrictInt, MAX_TOKENS)
+    num_samples: StrictInt = 1
     sampling_params: WireSamplingParams
     include_prompt_logprobs: bool = False
-    topk_prompt_logprobs: int = 0
+    topk_prompt_logprobs: StrictInt = 0
     return_text: bool = True
 
 
