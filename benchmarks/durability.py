@@ -120,8 +120,8 @@ def main() -> None:
 
     recovery = asyncio.run(timed_recovery())
     out = {"steps": args.steps, "rank": args.rank, "datums": args.datums,
-           "median_step_seconds": {"full": full, "checkpoint-only": only}, "ratio_full_over_checkpoint_only": full / only,
-           "recovery": recovery}
+           "median_step_seconds": {"full": full, "checkpoint-only": only},
+           "ratio_full_over_checkpoint_only": full / only, "recovery": recovery}
     print(json.dumps(out, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1))
