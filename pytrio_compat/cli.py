@@ -5,6 +5,10 @@
 runs the script as ``python SCRIPT.py ARGS...`` would, with ``import pytrio`` answered by
 ``pytrio_compat`` (see pytrio_alias.py). If a real ``pytrio`` is importable, ``run`` stops with an
 error rather than pick one silently; ``run --override`` then runs the script on this SDK anyway.
+
+    pytrio-compat export ARCHIVE_OR_FOLDER --base MODEL --merged OUT [--gguf OUT.gguf]
+
+merges a downloaded checkpoint into its base model (see pytrio_compat/export/).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import runpy
 import sys
 
 from . import __version__, pytrio_alias
+from .export import cli as export_cli
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -27,6 +32,11 @@ def _parser() -> argparse.ArgumentParser:
                      help="use this SDK even though a real pytrio is installed (for this script only)")
     run.add_argument("script", help="the Python script to run")
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+    export = sub.add_parser("export", help="merge a downloaded checkpoint into its base model (and write a GGUF)",
+                            description="Merge a checkpoint's LoRA into its base model: a full Hugging Face model "
+                                        "folder that computes what the worker computed with the adapter.")
+    export_cli.add_arguments(export, "a checkpoint archive (.tar, from RestClient.download_checkpoint) or an "
+                                     "adapter folder")
     return parser
 
 
@@ -52,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     options = _parser().parse_args(argv)
     if options.command == "run":
         return run_script(options.script, options.args, options.override)
+    if options.command == "export":
+        return export_cli.run(options)
     return 2  # pragma: no cover - argparse requires a command
 
 

@@ -1,14 +1,25 @@
-"""RestClient: list and delete checkpoints, look up runs and samplers."""
+"""RestClient: list, delete and download checkpoints, look up runs and samplers."""
 
 from __future__ import annotations
 
 import concurrent.futures
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+from . import download
 from .errors import ValidationError
-from .types import APIFuture, Checkpoint, CheckpointsListResponse, Cursor, GetSamplerResponse, TrainingRun
-from .wire import CheckpointList, SamplerInfo, TrainingRunInfo
+from .types import (
+    APIFuture,
+    Checkpoint,
+    CheckpointArchiveUrlResponse,
+    CheckpointDownloadResult,
+    CheckpointsListResponse,
+    Cursor,
+    GetSamplerResponse,
+    TrainingRun,
+)
+from .wire import CheckpointArchiveUrl, CheckpointList, SamplerInfo, TrainingRunInfo
 
 if TYPE_CHECKING:
     from .service_client import ServiceClient
@@ -54,6 +65,46 @@ class RestClient:
     async def delete_checkpoint_async(self, training_run_id: str, checkpoint_id: str) -> None:
         _require(checkpoint_id, "checkpoint_id")
         await self._rt.run_async(self._delete(checkpoint_id))
+
+    async def _archive_url(self, checkpoint_id: str) -> CheckpointArchiveUrlResponse:
+        raw = await self._rt.request("GET", "/v1/checkpoints/archive_url", params={"path": checkpoint_id},
+                                     operation="get_checkpoint_archive_url")
+        info = CheckpointArchiveUrl.model_validate(raw)
+        return CheckpointArchiveUrlResponse(url=info.url, expires=datetime.fromtimestamp(info.expires_at, timezone.utc))
+
+    def get_checkpoint_archive_url(self, checkpoint_id: str) -> concurrent.futures.Future:
+        """A signed URL of the checkpoint's archive (a tar of its PEFT adapter folder) and its expiry; the URL
+        needs no API key. ``checkpoint_id``: the id from list_checkpoints or the checkpoint's trio:// path."""
+        _require(checkpoint_id, "checkpoint_id")
+        return self._rt.submit(self._archive_url(checkpoint_id))
+
+    async def get_checkpoint_archive_url_async(self, checkpoint_id: str) -> CheckpointArchiveUrlResponse:
+        _require(checkpoint_id, "checkpoint_id")
+        return await self._rt.run_async(self._archive_url(checkpoint_id))
+
+    async def _download(self, checkpoint_id: str, destination: Path, resume: bool) -> CheckpointDownloadResult:
+        async def source() -> download.Source:
+            signed = await self._archive_url(checkpoint_id)
+            return download.Source(signed.url, signed.expires)
+
+        done = await download.download(await source(), source, destination, resume=resume, config=self._rt.config)
+        return CheckpointDownloadResult(checkpoint_id=checkpoint_id, path=str(destination),
+                                        bytes_written=done.bytes_written, file_size_bytes=done.file_size_bytes,
+                                        status_code=done.status_code, resumed=done.resumed)
+
+    def download_checkpoint(self, checkpoint_id: str, destination_path: str | Path, *,
+                            resume: bool = True) -> concurrent.futures.Future:
+        """Download the checkpoint's archive to the file ``destination_path`` (a tar holding
+        adapter_config.json, adapter_model.safetensors and checkpoint_complete; extract it with
+        ``tarfile.open(path).extractall(folder, filter="data")`` or pass it to ``pytrio-compat export``).
+        With ``resume``, a partial file there is completed instead of fetched again."""
+        _require(checkpoint_id, "checkpoint_id")
+        return self._rt.submit(self._download(checkpoint_id, Path(destination_path), resume))
+
+    async def download_checkpoint_async(self, checkpoint_id: str, destination_path: str | Path, *,
+                                        resume: bool = True) -> CheckpointDownloadResult:
+        _require(checkpoint_id, "checkpoint_id")
+        return await self._rt.run_async(self._download(checkpoint_id, Path(destination_path), resume))
 
     async def _get_training_run(self, training_run_id: str) -> TrainingRun:
         raw = await self._rt.request("GET", f"/v1/training_runs/{training_run_id}", operation="get_training_run")

@@ -13,6 +13,8 @@ Endpoints (all under ``/v1``):
   GET  /checkpoint_config?path=trio://...        CheckpointConfig
   GET  /checkpoints?training_run_id=ID           CheckpointList
   DELETE /checkpoints?path=trio://...            deletes one checkpoint
+  GET  /checkpoints/archive_url?path=trio://...  CheckpointArchiveUrl: a signed URL of the checkpoint's
+                                                 archive (a tar of its PEFT folder), fetched without credentials
   POST /samplers                                 CreateSampler -> SamplerInfo
   POST /samplers/{id}/sample                     SampleRequest -> Accepted
   GET  /requests/{request_id}?wait=SECONDS       RequestStatus (long poll)
@@ -167,6 +169,11 @@ class CheckpointEntry(WireModel):
 
 class CheckpointList(WireModel):
     checkpoints: list[CheckpointEntry]
+
+
+class CheckpointArchiveUrl(WireModel):
+    url: str  # absolute; carries its own signature, so no API key is sent with it
+    expires_at: float  # unix seconds
 
 
 # --- sampling ---------------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 Each protocol is a package under server_mock/api/: native (/v1), tinker (/api/v1), openai (/api/openai/v1) and
 pytrio (/api/openapi/v1, /api/models, /api/sdk, /api/telemetry and /pytrio-actor/v1, for the official pytrio SDK),
-all over the one ``WorkerService``. Another route list is mounted by passing it as ``extra_routes``.
+all over the one ``WorkerService``. Another route list is mounted by passing it as ``extra_routes``. Signed
+download URLs of every protocol are served by one ``Downloads`` (api/downloads.py, ``app.state.downloads``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from starlette.routing import BaseRoute
 from server_mock.api.auth import Auth
 from server_mock.api.bodies import ParseBudget
 from server_mock.api.browser_safety import BrowserGuard, HostPolicy
+from server_mock.api.downloads import ARCHIVE, Downloads, archive_resolver
 from server_mock.api.native import native_routes
 from server_mock.api.native.endpoint import Idempotency
 from server_mock.api.openai.router import openai_routes
@@ -32,9 +34,11 @@ def create_app(service: WorkerService, api_keys: list[str] | None = None, *, bin
                allowed_hosts: Iterable[str] = (), extra_routes: Iterable[BaseRoute] = (),
                pytrio_options: PytrioOptions | None = None) -> Starlette:
     auth = Auth(api_keys or [])
-    pytrio = PytrioProtocol(service, auth, pytrio_options)
-    routes = [*native_routes(), *extra_routes, *tinker_routes(service, auth), *openai_routes(service, auth),
-              *pytrio.routes()]
+    downloads = Downloads(default_ttl=service.limits.download_url_seconds)
+    downloads.register(ARCHIVE, archive_resolver(service.checkpoints))
+    pytrio = PytrioProtocol(service, auth, pytrio_options, downloads)
+    routes = [*native_routes(), *extra_routes, *downloads.routes(), *tinker_routes(service, auth, downloads),
+              *openai_routes(service, auth), *pytrio.routes()]
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
@@ -51,6 +55,7 @@ def create_app(service: WorkerService, api_keys: list[str] | None = None, *, bin
                     middleware=[Middleware(BrowserGuard, policy=HostPolicy(bind_host, list(allowed_hosts)))])
     app.state.service = service
     app.state.auth = auth
+    app.state.downloads = downloads
     app.state.idempotency = Idempotency()
     app.state.parse_budget = ParseBudget(service.limits.max_parsing_bytes)
     app.state.pytrio = pytrio

@@ -11,7 +11,9 @@ import sys
 import warnings
 from pathlib import Path
 
+from pytrio_compat.export import cli as export_cli
 from server_mock.config import Connections, Limits, PytrioOptions, StorageOptions, TrainOptions, add_flags, from_args
+from server_mock.errors import WorkerError
 
 FILES_RESERVED = 128  # open files the worker keeps for itself (models, checkpoints, pipes) beside connections
 
@@ -92,6 +94,15 @@ def build_parser() -> argparse.ArgumentParser:
     ray.add_argument("--cpus-per-replica", type=float, default=1.0, metavar="C",
                      help="CPUs for each sampler replica and train rank (also its torch threads)")
     serve.add_argument("--log-level", default="INFO")
+    export = sub.add_parser("export", help="merge a saved checkpoint into its base model (a Hugging Face model "
+                                           "folder) and optionally write a GGUF",
+                            description="Merge a checkpoint's LoRA into its base model: a full Hugging Face model "
+                                        "folder that computes what the worker computes with the adapter.")
+    export_cli.add_arguments(export, "a trio:// checkpoint path (found in --storage), a checkpoint folder, or a "
+                                     "checkpoint archive (.tar)")
+    export.add_argument("--storage", default="./storage", help="the worker's checkpoint folder (for trio:// paths)")
+    export.add_argument("--model", action="append", type=_parse_model, default=[], metavar="NAME=PATH_OR_HF_ID",
+                        help="where the base model a checkpoint names is, as for serve (repeatable)")
     tiny = sub.add_parser("make-tiny-model", help="write a random tiny causal LM + tokenizer for smoke tests")
     tiny.add_argument("directory")
     tiny.add_argument("--arch", choices=[*TEXT_TINY_ARCHS, *VISION_TINY_ARCHS],
@@ -140,6 +151,8 @@ def check_limits(limits: Limits) -> str | None:
         if getattr(limits, name) > bound:
             return (f"--{name.replace('_', '-')} must be <= {bound}: request bodies hold at most {bound} items in "
                     "one list (pytrio_compat/types/bounds.py)")
+    if limits.download_url_seconds > 7 * 24 * 3600:
+        return "--download-url-seconds must be at most 604800 (7 days): a signed URL is a bearer capability"
     return None
 
 
@@ -272,10 +285,39 @@ def _join_cluster(args: argparse.Namespace):
         sys.exit(f"--ray {args.ray}: {exc}")
 
 
+def export(args: argparse.Namespace) -> int:
+    """``pytrio-worker export``: the client's exporter, with trio:// paths and served model names resolved here."""
+    from server_mock.engine.loading import resolve_source
+    from server_mock.storage.checkpoints import CheckpointStore, parse_path
+
+    models = dict(args.model)
+
+    def adapter_folder(name: str) -> Path | None:
+        if not name.startswith("trio://"):
+            return None
+        store = CheckpointStore(args.storage)
+        ref = parse_path(name, "checkpoint")
+        if not store.exists(ref):
+            raise export_cli.ExportError(f"{name}: no such checkpoint in {args.storage} (pass --storage DIR)")
+        return store.folder(ref)
+
+    def resolve_base(name: str) -> Path:
+        source = resolve_source(models.get(name, name))
+        return Path(source) if Path(source).is_dir() else export_cli.hub_or_folder(source)
+
+    try:
+        return export_cli.run(args, adapter_folder, resolve_base)
+    except WorkerError as exc:
+        print(f"export: {exc.message}", file=sys.stderr)
+        return 2
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         serve(args)
+    elif args.command == "export":
+        sys.exit(export(args))
     else:
         from server_mock.engine.tiny_model import make_tiny_model
 

@@ -92,6 +92,12 @@ class Limits:
     recorded_sequence_ttl: float = setting(86_400.0, "seconds a stability record is kept after its last use "
                                                      "(sampling, or a training request naming it)")
 
+    # a checkpoint archive streams a tar of the adapter files to a temporary file: bounded so that downloads
+    # never hold more than this many copies being written at once (more answer 429 + Retry-After)
+    max_archive_builds: int = setting(2, "checkpoint archives built at once, all keys together", minimum=1,
+                                      why="0 would refuse every download")
+    download_url_seconds: int = setting(3600, "lifetime of a signed download URL, in seconds",
+                                        minimum=60, why="a URL must outlive its own transfer")
 
 @dataclass
 class PytrioOptions:

@@ -93,6 +93,11 @@ def _vision_modules(model: nn.Module) -> tuple[str, ...]:
     prefix = parent_name + "." if parent_name else ""
     return tuple(prefix + child for child, module in parent.named_children()
                  if module is not decoder and any(isinstance(m, nn.Linear) for m in module.modules()))
+def ties_head(model: nn.Module) -> bool:
+    """Whether the output head shares its weight matrix with the input embeddings (``tie_word_embeddings``).
+    A LoRA on ``lm_head`` of such a model changes the output projection only; the embeddings stay as they are."""
+    head, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
+    return head is not None and embeddings is not None and head.weight is embeddings.weight
 
 
 @dataclass(frozen=True)

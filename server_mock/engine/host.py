@@ -14,7 +14,7 @@ import torch
 
 from pytrio_compat.wire import AdamParams, LoraSpec
 from server_mock.config import TrainOptions
-from server_mock.lora import Layer, Snapshot, lora_config, model_layout, peft_adapter_config
+from server_mock.lora import Layer, Snapshot, lora_config, model_layout, peft_adapter_config, ties_head
 
 
 class ModelHost(Protocol):
@@ -31,6 +31,10 @@ class ModelHost(Protocol):
     @property
     def model_type(self) -> str:
         """The transformers ``model_type`` (e.g. ``qwen3``)."""
+
+    @property
+    def tied_head(self) -> bool:
+        """Whether the output head shares the input embedding matrix (``lora.ties_head``)."""
 
     def stop_token_ids(self) -> list[int]:
         """The ids that end a turn when a sample request names none."""
@@ -75,8 +79,8 @@ class ModelHost(Protocol):
 
 class ModelFacts:
     """What both hosts read from the model's module tree alone (the Ray front end holds it on the ``meta`` device):
-    its type, stop ids and LoRA layout. Needs ``name``, ``model``, ``tokenizer`` and ``_linear_groups``
-    (``lora.linear_groups`` of the model before PEFT wraps it)."""
+    its type, whether it ties its head, stop ids and LoRA layout. Needs ``name``, ``model``, ``tokenizer`` and
+    ``_linear_groups`` (``lora.linear_groups`` of the model before PEFT wraps it)."""
 
     name: str
     model: Any
@@ -86,6 +90,10 @@ class ModelFacts:
     @property
     def model_type(self) -> str:
         return getattr(self.model.config, "model_type", type(self.model).__name__)
+
+    @property
+    def tied_head(self) -> bool:
+        return ties_head(self.model)
 
     def stop_token_ids(self) -> list[int]:
         return default_stop_ids(self.tokenizer, getattr(self.model, "generation_config", None))

@@ -8,15 +8,23 @@ save/load work runs on the model's queue thread.
 from __future__ import annotations
 
 import hashlib
+import json
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 from pytrio_compat.wire import CheckpointConfig, CheckpointEntry, CheckpointList, LoraSpec, SaveOp
 from server_mock.engine.host import ModelHost
-from server_mock.errors import WorkerError, not_found, storage_error
+from server_mock.errors import WorkerError, bad_request, not_found, storage_error
 from server_mock.lora import Snapshot
 from server_mock.service.journal import Journal
 from server_mock.service.quotas import TenantLRU
-from server_mock.storage.checkpoints import CheckpointRef, CheckpointStore, expires_at, parse_path
+from server_mock.storage.archive import MARKER, Archives
+from server_mock.storage.checkpoints import NAME_RE, RUN_RE, CheckpointRef, CheckpointStore, expires_at, parse_path
+from server_mock.storage.encryption import encrypt_folder
+
+# (PEFT tensors, adapter_config dict, whether the model ties its head) -> the same in another service's layout
+ExportLayout = Callable[[dict, dict, bool], tuple[dict, dict]]
 
 
 def checkpoint_id(path: str) -> str:
@@ -26,11 +34,13 @@ def checkpoint_id(path: str) -> str:
 
 class Checkpoints:
     def __init__(self, store: CheckpointStore, snapshots: TenantLRU[tuple[str, Snapshot]],
-                 journal: Journal | None = None, max_bytes_per_tenant: int = 0) -> None:
+                 journal: Journal | None = None, max_bytes_per_tenant: int = 0,
+                 archives: Archives | None = None) -> None:
         self.store = store
         self.max_bytes_per_tenant = max_bytes_per_tenant  # --max-storage-bytes-per-tenant (0: no limit)
         self.journal = journal  # --durability full: in-memory snapshots written there too (service/journal.py)
         self.snapshots = snapshots  # sampler path -> (base model, weights) kept in memory, per tenant
+        self.archives = archives or Archives(store, max_builds=2)
         # expiry time of the saved checkpoints held in ``snapshots``: a sampler reading one stops at its expiry
         # without a disk read
         self.snapshot_expiry: dict[str, float] = {}
@@ -80,6 +90,28 @@ class Checkpoints:
                                 lora=LoraSpec.model_validate(meta["lora"]),
                                 has_optimizer=meta.get("has_optimizer", False))
 
+    def resolve(self, path_or_id: str, tenant: str) -> str:
+        """The trio:// path of one of this tenant's checkpoints, given the path or its id from ``list``."""
+        if path_or_id.startswith("trio://"):
+            return path_or_id
+        matches = [c.path for c in self.list(tenant, None).checkpoints if c.checkpoint_id == path_or_id]
+        if not matches:
+            raise not_found("checkpoint", path_or_id)
+        return matches[0]
+
+    def archive(self, path_or_id: str, tenant: str) -> tuple[CheckpointRef, Path, str]:
+        """The download archive of one of this tenant's saved checkpoints (built now if need be), and its
+        version: a string that changes whenever the checkpoint is overwritten."""
+        path = self.resolve(path_or_id, tenant)
+        ref = self.owned_ref(path, tenant, "path")
+        if not self.store.exists(ref):
+            raise bad_request("path", f"{path} is an in-memory sampler snapshot (save_weights_and_get_sampling_client)"
+                                      " and has no files to download; save the weights with "
+                                      "save_weights_for_sampler(name) or save_state(name) instead",
+                              code="not_downloadable")
+        version = f"{self.store.read_meta(ref).get('created_at', 0):.6f}"
+        return ref, self.archives.ensure(ref), version
+
     def records(self, tenant: str, training_run_id: str | None = None) -> list[tuple[CheckpointRef, dict, int]]:
         """This tenant's checkpoints on disk (of one run), unexpired: (ref, metadata, size in bytes) each."""
         return [(ref, meta, size) for ref, meta, size in self.store.list(training_run_id, tenant=tenant)
@@ -114,12 +146,7 @@ class Checkpoints:
                 for ref, meta, size in self.records(tenant, training_run_id)]
 
     def delete(self, path_or_id: str, tenant: str) -> None:
-        if not path_or_id.startswith("trio://"):
-            matches = [c.path for c in self.list(tenant, None).checkpoints if c.checkpoint_id == path_or_id]
-            if not matches:
-                raise not_found("checkpoint", path_or_id)
-            path_or_id = matches[0]
-        ref = self.owned_ref(path_or_id, tenant, "path")
+        ref = self.owned_ref(self.resolve(path_or_id, tenant), tenant, "path")
         self.store.delete(ref)
         self.snapshots.pop(ref.path)
         self.snapshot_expiry.pop(ref.path, None)
@@ -182,6 +209,35 @@ class Checkpoints:
                               f"this API key's checkpoints hold {used} bytes and this one needs about {new} more, past "
                               f"max_storage_bytes_per_tenant={self.max_bytes_per_tenant}: delete checkpoints (or "
                               "give them a ttl_seconds) or raise --max-storage-bytes-per-tenant")
+
+    def save_export(self, run, host: ModelHost, name: str, ttl_seconds: int | None, layout: ExportLayout,
+                    recipients: list) -> dict:
+        """Write the run's current weights as an ``external`` checkpoint for download (on the model's thread):
+        the PEFT adapter converted by ``layout(tensors, adapter_config, tied_head)`` (another service's naming),
+        an empty ``checkpoint_complete`` marker, and with ``recipients`` every file age-encrypted (``.age``)."""
+        ref = CheckpointRef(run.run_id, "external", name)
+        if self.store.exists(ref):
+            raise WorkerError(409, "checkpoint_exists", f"path: external weights {name!r} of this run already exist; "
+                                                        "choose another name or delete them first", "path")
+        tensors, config = layout(host.adapter_weights(run.adapter), json.loads(host.peft_adapter_config(run.spec)),
+                                 host.tied_head)
+        meta = {"base_model": run.base_model, "lora": run.spec.model_dump(), "tenant": run.tenant, "kind": "external",
+                "optim_steps": run.adapter.optim_steps, "ttl_seconds": ttl_seconds, "encrypted": bool(recipients),
+                "run_user_metadata": getattr(run, "user_metadata", None)}
+        seal = (lambda folder: encrypt_folder(folder, recipients)) if recipients else None
+        self._check_budget(run.tenant, ref, {"adapter_model.safetensors": tensors})
+        size = self.store.write(ref, meta, {"adapter_model.safetensors": tensors},
+                                {"adapter_config.json": json.dumps(config, indent=1), MARKER: ""}, seal=seal)
+        return {"run_id": run.run_id, "name": name, "size": size}
+
+    def owned_export(self, run_id: str, name: str, tenant: str) -> CheckpointRef:
+        """This tenant's (unexpired) external checkpoint ``name`` of run ``run_id``; else 404."""
+        ref = CheckpointRef(run_id, "external", name)
+        if not (RUN_RE.match(run_id) and NAME_RE.match(name) and self.store.exists(ref)
+                and self.store.read_meta(ref).get("tenant", "") == tenant):
+            raise WorkerError(404, "checkpoint_not_found", f"path: no external weights {name!r} in run {run_id!r}",
+                              "path")
+        return ref
 
     def load(self, run, host: ModelHost, ref: CheckpointRef, with_optimizer: bool) -> dict:
         weights = self.store.read_tensors(ref, "adapter_model.safetensors")

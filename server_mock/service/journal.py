@@ -67,6 +67,7 @@ class OpRow:
     body_hash: str
     payload: bytes | None
     done: bool
+    front: dict | None = None  # what the front end that accepted it recorded with it (its own ids, its answer)
 
 
 class Journal:
@@ -120,11 +121,13 @@ class Journal:
         return None
 
     def op_accepted(self, run_id: str, seq: int, request_id: str, kind: str, body_hash: str,
-                    record: dict | None) -> None:
-        """Before the client gets ``request_id``: the op, with what it takes to run it again."""
+                    record: dict | None, front: dict | None = None) -> None:
+        """Before the client gets ``request_id``: the op, with what it takes to run it again (and ``front``: what
+        its front end needs to answer it again, in the same transaction)."""
         payload = records.pack(record) if record is not None else None
-        self.db.execute("INSERT OR REPLACE INTO ops (run_id, seq, request_id, kind, body_hash, payload) "
-                        "VALUES (?, ?, ?, ?, ?, ?)", (run_id, seq, request_id, kind, body_hash, payload))
+        self.db.execute("INSERT OR REPLACE INTO ops (run_id, seq, request_id, kind, body_hash, payload, front) "
+                        "VALUES (?, ?, ?, ?, ?, ?, ?)", (run_id, seq, request_id, kind, body_hash, payload,
+                                                         json.dumps(front) if front is not None else None))
 
     def op_finished(self, run_id: str, seq: int, job: Job, result: dict | None, error, host=None,
                     adapter=None) -> None:
@@ -166,8 +169,9 @@ class Journal:
         return out
 
     def ops(self, run_id: str) -> list[OpRow]:
-        return [OpRow(seq, rid, kind, body_hash, payload, bool(done)) for seq, rid, kind, body_hash, payload, done in
-                self.db.query("SELECT seq, request_id, kind, body_hash, payload, done FROM ops WHERE run_id = ? "
+        return [OpRow(seq, rid, kind, body_hash, payload, bool(done), json.loads(front) if front else None)
+                for seq, rid, kind, body_hash, payload, done, front in
+                self.db.query("SELECT seq, request_id, kind, body_hash, payload, done, front FROM ops WHERE run_id = ? "
                               "ORDER BY seq", (run_id,))]
 
     # --- requests --------------------------------------------------------------------------------------------
@@ -185,10 +189,19 @@ class Journal:
         with self.db.transaction() as db:
             self._put_request(db, job, result, error)
 
-    def sample_accepted(self, request_id: str, tenant: str, sampler_id: str, body: str) -> None:
+    def sample_accepted(self, request_id: str, tenant: str, sampler_id: str, body: str,
+                        front: dict | None = None) -> None:
         self.db.execute("INSERT OR REPLACE INTO requests (request_id, tenant, kind, status, created, sampler_id, "
-                        "payload) VALUES (?, ?, 'sample', 'queued', ?, ?, ?)",
-                        (request_id, tenant, time.time(), sampler_id, body.encode()))
+                        "payload, front) VALUES (?, ?, 'sample', 'queued', ?, ?, ?, ?)",
+                        (request_id, tenant, time.time(), sampler_id, body.encode(),
+                         json.dumps(front) if front is not None else None))
+
+    def front_requests(self) -> list[tuple[str, str, str | None, dict]]:
+        """(request id, tenant, sampler id, front) of each request a front end recorded its own fields with, unfinished
+        or finished within its TTL, oldest first."""
+        return [(rid, tenant, sampler_id, json.loads(front)) for rid, tenant, sampler_id, front in self.db.query(
+            "SELECT request_id, tenant, sampler_id, front FROM requests WHERE front IS NOT NULL AND "
+            "(finished IS NULL OR finished >= ?) ORDER BY created", (time.time() - self.result_ttl,))]
 
     def finished_requests(self) -> list[tuple[str, str, str, str, Any, dict | None, float]]:
         """(request id, tenant, kind, status, result, error, finished) of each finished request within its TTL."""

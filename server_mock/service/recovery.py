@@ -7,7 +7,8 @@ state file, the forward_backward ops acknowledged after it run again (their grad
 not yet finished are queued again under their request ids, in seq_id order; sample requests in flight are queued
 again under theirs. A client polling a request it was given before the crash gets its answer; a client resending
 an op the crash kept it from seeing acknowledged gets the original request back (its seq_id and body hash are
-recorded), so the op runs once.
+recorded), so the op runs once. Last, each front end's hook (``service.recovery_hooks``) rebuilds its own state
+(the Tinker protocol's sessions, models, seq_id gates and futures) from its records and the ops above.
 """
 
 from __future__ import annotations
@@ -62,11 +63,14 @@ async def recover(service) -> dict[str, int]:
         counts["runs"] += run is not None
     for rid, tenant, sampler_id, body in journal.unfinished_samples():
         try:
-            service.samplers.submit(sampler_id, SampleRequest.model_validate_json(body), tenant, request_id=rid)
+            service.samplers.submit(sampler_id, SampleRequest.model_validate_json(body), tenant, request_id=rid,
+                                    requeued=True)
             counts["samples_requeued"] += 1
         except WorkerError as exc:  # its sampler or weights are gone: the poll gets the reason
             service.requests.restore(rid, tenant, "sample", None, exc, 0.0)
             journal.request_finished(Job(rid, "sample", dict, owner=tenant), None, exc)
+    for hook in service.recovery_hooks:  # each front end takes up its own records, on top of the service's
+        counts.update(await hook())
     counts["seconds"] = round(time.perf_counter() - started, 3)
     if any(counts[k] for k in ("requests", "snapshots", "samplers", "runs", "samples_requeued")):
         logger.warning("recovered from %s: %s", journal.dir, counts)

@@ -216,6 +216,12 @@ class Runs:
         for op in ops:
             if op.seq <= state_seq:
                 continue
+            if op.payload is None and op.kind not in ("forward_backward", *STATE_OPS):
+                # an op that leaves the weights as they are and is not journaled to run again (an export)
+                if not op.done:
+                    self.requests.restore(op.request_id, run.tenant, op.kind, None, WorkerError(
+                        503, "interrupted", f"{op.kind}: the worker restarted while it ran; call it again"), 0.0)
+                continue
             if op.payload is None:
                 logger.error("run %s: op %d has no payload to run again; the run continues from seq_id %d",
                              run.run_id, op.seq, state_seq)
@@ -298,14 +304,26 @@ class Runs:
         model = {"OptimStepOp": OptimStepOp, "SaveOp": SaveOp, "LoadOp": LoadOp}[kind]
         return self.prepare(run, model.model_validate(record["body"]))
 
+    def export_op(self, training_run_id: str, tenant: str, name: str, ttl_seconds: int | None, layout,
+                  recipients: list) -> PreparedOp:
+        """The op that writes a run's current weights as external weights for download
+        (``Checkpoints.save_export``), checked now; submit it like any other op so it runs in seq_id order."""
+        run = self.get(training_run_id, tenant)
+        check_name(name, "path")
+        host = self.models.loaded(run.base_model)
+        return PreparedOp("save_weights_external",
+                          lambda: self.checkpoints.save_export(run, host, name, ttl_seconds, layout, recipients))
+
     def submit(self, training_run_id: str, work: PreparedOp | BaseException | Op, tenant: str, *,
-               seq_id: int | None, body_hash: str = "", encode: Callable[[dict], dict] | None = None) -> Admission:
+               seq_id: int | None, body_hash: str = "", encode: Callable[[dict], dict] | None = None,
+               request_id: str | None = None, front: dict | None = None) -> Admission:
         """Accept one op of a run: ``seq_id`` must be the next one (a resent seq_id with the same body hash
         answers the original request; None: the next in order, for front ends that order ops themselves).
 
         ``work`` is the op, its ``PreparedOp``, or the error preparing it gave: the seq_id and queue checks come
         first, and preparing (or its error) only counts for an op they let in. ``encode`` converts the result to
-        the caller's wire form on the model thread."""
+        the caller's wire form on the model thread. ``request_id``: the id a front end chose for the request (unused
+        so far); ``front``: its own fields, journaled with the op (``OpRow.front`` after a restart)."""
         run = self.get(training_run_id, tenant)
         if seq_id is None:
             seq_id = run.last_seq + 1
@@ -322,12 +340,12 @@ class Runs:
         if isinstance(work, BaseException):
             raise work
         prepared = work if isinstance(work, PreparedOp) else self.prepare(run, work)
-        job = self.requests.new_job(prepared.kind, prepared.work, tenant)
+        job = self.requests.new_job(prepared.kind, prepared.work, tenant, request_id=request_id)
         job.encode = encode
         if self.journal is not None:
             record = None if prepared.record is None else {**prepared.record, "encode": _encoder_name(encode)}
             try:
-                self.journal.op_accepted(run.run_id, seq_id, job.request_id, prepared.kind, body_hash, record)
+                self.journal.op_accepted(run.run_id, seq_id, job.request_id, prepared.kind, body_hash, record, front)
             except Exception as exc:  # noqa: BLE001 - a full disk: the op is refused, nothing changed
                 self.requests.discard(job.request_id)
                 raise storage_error(prepared.kind, exc) from exc

@@ -55,7 +55,9 @@ class Samplers:
         self._layouts: dict[str, dict[str, Layer]] = {}
         self._dropped = dropped  # told the id of each sampler the cache drops (its records go with it)
 
-    async def create(self, body: CreateSampler, tenant: str) -> Sampler:
+    async def create(self, body: CreateSampler, tenant: str, new_id: str | None = None) -> Sampler:
+        """A sampler on ``body``'s weights (``new_id``: its id, chosen by a front end that derives it from a request of
+        its own, so that making it again after a restart gives the same one)."""
         base_model = body.base_model
         if body.model_path and peft_folders.is_local_path(body.model_path):
             return await self._create_local(body, tenant)
@@ -72,7 +74,7 @@ class Samplers:
         if not base_model:
             raise bad_request("base_model", "required when model_path is not given")
         await self.models.host(base_model)
-        return self._add(Sampler(run_id("sampler"), tenant, base_model, body.model_path))
+        return self._add(Sampler(new_id or run_id("sampler"), tenant, base_model, body.model_path))
 
     def _add(self, sampler: Sampler, record: bool = True) -> Sampler:
         if self.journal is not None and record:
@@ -172,9 +174,11 @@ class Samplers:
 
         return f"{sampler.base_model}:disk:{sampler.model_path}", load
 
-    def submit(self, sampler_id: str, request: SampleRequest, tenant: str, request_id: str | None = None) -> Job:
-        """Queue one sample request; its job's result is a dict (``sample_result``'s form). ``request_id``: one
-        accepted before a restart, queued again."""
+    def submit(self, sampler_id: str, request: SampleRequest, tenant: str, request_id: str | None = None,
+               requeued: bool = False, front: dict | None = None) -> Job:
+        """Queue one sample request; its job's result is a dict (``sample_result``'s form). ``request_id``: the id
+        a front end chose for it, or (``requeued``) one accepted before a restart, queued again; ``front``: the front
+        end's own fields, journaled with it."""
         sampler = self.get(sampler_id, tenant)
         check_queued(self.requests, tenant, self.limits.max_queued_requests)
         host = self.models.loaded(sampler.base_model)
@@ -189,8 +193,8 @@ class Samplers:
         job = self.requests.new_job("sample", run_sample, tenant, request_id=request_id)
         if self.journal is not None:
             try:
-                if request_id is None:
-                    self.journal.sample_accepted(job.request_id, tenant, sampler_id, request.model_dump_json())
+                if not requeued:
+                    self.journal.sample_accepted(job.request_id, tenant, sampler_id, request.model_dump_json(), front)
             except Exception as exc:  # noqa: BLE001 - a full disk: the request is refused, nothing queued
                 self.requests.discard(job.request_id)
                 raise storage_error("sample", exc) from exc

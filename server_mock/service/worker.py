@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import torch
@@ -26,6 +27,7 @@ from server_mock.service.quotas import ByteBudget, TenantLRU
 from server_mock.service.runs import Runs
 from server_mock.service.samplers import Samplers
 from server_mock.service.stability import StabilityRecords
+from server_mock.storage.archive import Archives
 from server_mock.storage.checkpoints import CheckpointStore
 from server_mock.training import faults
 
@@ -49,7 +51,8 @@ class WorkerService:
         self.models = Models(models, device, dtype, self.requests, self.limits, train_options or TrainOptions(),
                              lazy=lazy_models, cluster=cluster, tokenizer_ids=tokenizer_ids, lazy_allow=lazy_allow)
         self.checkpoints = Checkpoints(self.store, TenantLRU(self.limits.max_snapshots), self.journal,
-                                       self.storage_options.max_storage_bytes_per_tenant)
+                                       self.storage_options.max_storage_bytes_per_tenant,
+                                       Archives(self.store, self.limits.max_archive_builds))
         total = self.limits.max_adapter_bytes_total or device_memory(device) // 2
         self.adapter_memory = ByteBudget(self.limits.max_adapter_bytes or total // 4, total, "lora",
                                          "max_adapter_bytes", "max_adapter_bytes_total")
@@ -58,6 +61,8 @@ class WorkerService:
         self.stability = StabilityRecords(self.limits)  # per-sequence sampling records (stable_reinforce)
         self.samplers = Samplers(self.models, self.requests, self.checkpoints, self.limits, allow_adapter_dirs,
                                  dropped=self.stability.drop_sampler, journal=self.journal)
+        # front ends' coroutines that rebuild their own state at start, after the service's (service/recovery.py)
+        self.recovery_hooks: list[Callable[[], Awaitable[dict[str, int]]]] = []
         self.started = time.time()
 
     def stop(self) -> None:

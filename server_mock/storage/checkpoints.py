@@ -3,7 +3,11 @@
 Layout: ``<storage>/checkpoints/<run_id>/<kind>/<name>/`` with kind ``state`` (weights + Adam state) or
 ``sampler`` (weights only). The weights are a standard PEFT adapter folder (``adapter_model.safetensors``
 + ``adapter_config.json``), so a saved adapter loads in plain PEFT or vLLM as-is. Writes go to a
-temporary folder that is fsynced and renamed into place: a checkpoint is whole or absent.
+temporary folder that is fsynced and renamed into place: a checkpoint is whole or absent. A third kind,
+``external``, holds weights exported for download in another service's layout (Tinker's
+``save_weights_external``, possibly encrypted); it has no ``trio://`` path, only its ``CheckpointRef``.
+Files whose names start with a dot (a cached download archive) are derived data: they are not counted
+in a checkpoint's size and go with the folder when it is overwritten or deleted.
 
 Expiry: a checkpoint saved with ``ttl_seconds`` (or given one later, ``set_expiry``) carries ``expires_at`` in its
 ``meta.json``. From that moment it is absent to every reader (``exists``, ``read_meta``, ``list``), and the
@@ -19,6 +23,7 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +38,7 @@ NAME_RE = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9_-])?\Z")
 RUN_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}\Z")
 PATH_RE = re.compile(r"^trio://(?P<run>[^/]+)/(?P<kind>state|sampler)/(?P<name>[^/]+)\Z")
 KINDS = ("state", "sampler")
+ALL_KINDS = (*KINDS, "external")
 
 
 @dataclass(frozen=True)
@@ -144,8 +150,9 @@ class CheckpointStore:
         return self._meta_or_none(ref) is not None
 
     def write(self, ref: CheckpointRef, meta: dict, tensors: dict[str, dict[str, torch.Tensor]],
-              files: dict[str, str], overwrite: bool = False) -> int:
-        """Write tensor files (name -> state dict) and text files atomically; return the size in bytes."""
+              files: dict[str, str], overwrite: bool = False, seal: Callable[[Path], None] | None = None) -> int:
+        """Write tensor files (name -> state dict) and text files atomically; return the size in bytes.
+        ``seal(folder)`` may transform the written files (encrypt them) before they are put in place."""
         final = self.folder(ref)
         if final.exists() and not overwrite and self.exists(ref):  # an expired one is gone: its name is free
             raise WorkerError(409, "checkpoint_exists", f"name: checkpoint {ref.path} already exists; "
@@ -163,6 +170,8 @@ class CheckpointStore:
             ttl = meta.get("ttl_seconds")
             stamped = {**meta, "created_at": created, "expires_at": created + ttl if ttl else None}
             (tmp / "meta.json").write_text(json.dumps(stamped, indent=1))
+            if seal is not None:
+                seal(tmp)
             for item in tmp.iterdir():
                 _fsync(item)
             _fsync(tmp)
@@ -177,7 +186,7 @@ class CheckpointStore:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        return sum(f.stat().st_size for f in final.iterdir())
+        return folder_size(final)
 
     def remove_leftovers(self) -> int:
         """Delete the temporary and replaced folders a crash left in the middle of a write (never a checkpoint: a
@@ -233,10 +242,10 @@ class CheckpointStore:
             raise WorkerError(404, "checkpoint_not_found", f"path: no checkpoint at {ref.path}", "path")
         shutil.rmtree(self.folder(ref))
 
-    def list(self, run_id: str | None = None, tenant: str | None = None, include_expired: bool = False
-             ) -> list[tuple[CheckpointRef, dict, int]]:
-        """(ref, metadata, size in bytes) of the checkpoints of one run, of the runs of one tenant, or all; expired
-        ones left out unless asked."""
+    def list(self, run_id: str | None = None, tenant: str | None = None, include_expired: bool = False,
+             kinds: tuple[str, ...] = KINDS) -> list[tuple[CheckpointRef, dict, int]]:
+        """(ref, metadata, size in bytes) of the checkpoints of ``kinds`` of one run, of the runs of one tenant, or
+        all; expired ones left out unless asked."""
         base = self.root / "checkpoints"
         if run_id and not RUN_RE.fullmatch(run_id):
             raise bad_request("training_run_id", f"invalid run id {run_id[:80]!r}")
@@ -249,7 +258,7 @@ class CheckpointStore:
         runs = [r for r in runs if r.is_dir()]
         out = []
         for run in runs:
-            for kind in KINDS:
+            for kind in kinds:
                 folder = run / kind
                 if not folder.is_dir():
                     continue
@@ -258,7 +267,7 @@ class CheckpointStore:
                         continue
                     try:
                         meta = json.loads((ckpt / "meta.json").read_text())
-                        size = sum(f.stat().st_size for f in ckpt.iterdir())
+                        size = folder_size(ckpt)
                     except FileNotFoundError:  # deleted while listed
                         continue
                     if include_expired or not is_expired(meta):
@@ -266,14 +275,19 @@ class CheckpointStore:
         return out
 
     def sweep_expired(self) -> list[CheckpointRef]:
-        """Delete the checkpoints whose expiry time has passed; returns them."""
+        """Delete the checkpoints (of every kind) whose expiry time has passed; returns them."""
         removed = []
         now = time.time()
-        for ref, meta, _ in self.list(include_expired=True):
+        for ref, meta, _ in self.list(include_expired=True, kinds=ALL_KINDS):
             if is_expired(meta, now):
                 shutil.rmtree(self.folder(ref), ignore_errors=True)
                 removed.append(ref)
         return removed
+
+
+def folder_size(folder: Path) -> int:
+    """The bytes of a checkpoint's files, not counting derived (dot) files."""
+    return sum(f.stat().st_size for f in folder.iterdir() if not f.name.startswith(".") and f.is_file())
 
 
 def _fsync(path: Path) -> None:

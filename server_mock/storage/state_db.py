@@ -3,7 +3,8 @@
 What lives here: training runs (configuration, tenant, the seq_id of their last two saved states), the ops accepted
 for each run (kind, body hash, request id, and the payload of those after the older saved state), requests with
 their status and result until their TTL (a sample request also with its body, to run it again), samplers,
-in-memory sampler snapshots, and each protocol's own small records under a namespace. A run's adapter and Adam
+in-memory sampler snapshots, and each protocol's own small records under a namespace (plus, on an op or a request,
+the fields its front end needs to answer it again after a restart: ``front``). A run's adapter and Adam
 state, and a snapshot's weights, are files written atomically beside it (``storage.files``), named here with their
 SHA-256 so a torn write is detected at start.
 
@@ -22,7 +23,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: ops and requests carry a front end's own fields (``front``, JSON)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -32,11 +33,11 @@ CREATE TABLE IF NOT EXISTS runs (
     prev_seq INTEGER, prev_file TEXT, prev_sha TEXT);
 CREATE TABLE IF NOT EXISTS ops (
     run_id TEXT NOT NULL, seq INTEGER NOT NULL, request_id TEXT NOT NULL, kind TEXT NOT NULL,
-    body_hash TEXT NOT NULL, payload BLOB, done INTEGER NOT NULL DEFAULT 0,
+    body_hash TEXT NOT NULL, payload BLOB, done INTEGER NOT NULL DEFAULT 0, front TEXT,
     PRIMARY KEY (run_id, seq));
 CREATE TABLE IF NOT EXISTS requests (
     request_id TEXT PRIMARY KEY, tenant TEXT NOT NULL, kind TEXT NOT NULL, status TEXT NOT NULL,
-    result BLOB, error TEXT, created REAL NOT NULL, finished REAL, sampler_id TEXT, payload BLOB);
+    result BLOB, error TEXT, created REAL NOT NULL, finished REAL, sampler_id TEXT, payload BLOB, front TEXT);
 CREATE INDEX IF NOT EXISTS requests_finished ON requests (finished);
 CREATE TABLE IF NOT EXISTS samplers (
     sampler_id TEXT PRIMARY KEY, tenant TEXT NOT NULL, base_model TEXT NOT NULL, model_path TEXT,
@@ -64,6 +65,9 @@ class StateDB:
             raise RuntimeError(f"{self.path} was written by a newer worker (schema {version} > {SCHEMA_VERSION})")
         if version == 0:
             self._db.executescript(_SCHEMA)  # (executescript commits on its own)
+        elif version == 1:
+            self._db.executescript("ALTER TABLE ops ADD COLUMN front TEXT; ALTER TABLE requests ADD COLUMN front TEXT;")
+        if version < SCHEMA_VERSION:
             self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
 
     @contextmanager
@@ -114,6 +118,12 @@ class StateDB:
     def delete_record(self, namespace: str, key: str) -> None:
         with self.transaction() as db:
             db.execute("DELETE FROM records WHERE namespace = ? AND key = ?", (namespace, key))
+
+    def delete_records(self, namespace: str, prefix: str) -> int:
+        """Delete the records of ``namespace`` whose key starts with ``prefix``; how many."""
+        with self.transaction() as db:
+            return db.execute("DELETE FROM records WHERE namespace = ? AND substr(key, 1, ?) = ?",
+                              (namespace, len(prefix), prefix)).rowcount
 
     def sweep_records(self) -> int:
         with self.transaction() as db:

@@ -5,6 +5,8 @@ download URLs that were tampered with. The worker keeps serving through all of i
 
 from __future__ import annotations
 
+import base64
+
 import json
 import socket
 import threading
@@ -334,14 +336,20 @@ def test_download_urls_are_signed_and_expire(worker, raw_a, model_id):
         assert link["tls_cert_pem"] is None and link["source"] == "actor"
         with httpx.Client(timeout=10) as anonymous:  # no credentials at all, as the SDK fetches it
             assert anonymous.get(link["url"]).status_code == 200
-            tampered = link["url"].replace("sig=", "sig=0")
-            expired = link["url"].split("?")[0] + "?exp=1&" + link["url"].split("&", 1)[1]
-            other = link["url"].replace(saved["checkpoint_cuid"], "0" * 16)
-            for url in (tampered, expired, other, link["url"].split("?")[0]):
+            token = link["url"].split("/downloads/")[1].split("/")[0]
+            payload, signature = token.split(".")
+            tampered = link["url"].replace(token, f"{payload}.{signature[::-1]}")
+            raw = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
+            raw[3] += 3600  # a later expiry, signed by nobody
+            longer = base64.urlsafe_b64encode(json.dumps(raw, separators=(",", ":")).encode()).decode().rstrip("=")
+            extended = link["url"].replace(token, f"{longer}.{signature}")
+            for url in (tampered, extended):
                 assert anonymous.get(url).status_code == 403, url
+        other = raw_a.control("GET", f"/checkpoints/{'0' * 16}/download-url")
+        assert other.status_code == 404
         assert raw_a.control("DELETE", f"/checkpoints/{saved['checkpoint_cuid']}").status_code == 204
         with httpx.Client(timeout=10) as anonymous:
-            assert anonymous.get(link["url"]).status_code == 403  # deleted: the old URL opens nothing
+            assert anonymous.get(link["url"]).status_code == 404  # deleted: the old URL opens nothing
 
 
 def test_concurrent_hostile_traffic_leaves_the_worker_serving(worker, raw_a, model_id):

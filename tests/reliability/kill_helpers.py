@@ -19,8 +19,9 @@ from support import WorkerProcess
 class Supervised:
     """A worker on ``storage``, restarted on the same port whenever it dies, until ``stop``."""
 
-    def __init__(self, model_dir: Path, storage: Path, *extra: str, crash_at: str = "") -> None:
+    def __init__(self, model_dir: Path, storage: Path, *extra: str, crash_at: str = "", **options) -> None:
         self.model_dir, self.storage, self.extra = model_dir, storage, extra
+        self.options = options  # WorkerProcess's keyword arguments (api_keys, model_name)
         self.restarts = 0
         self.recovery_seconds: list[float] = []
         self._stop = threading.Event()
@@ -34,7 +35,7 @@ class Supervised:
         saved = {name: os.environ.get(name) for name in env}
         os.environ.update(env)
         try:
-            return WorkerProcess(self.model_dir, self.storage, *self.extra).start(port)
+            return WorkerProcess(self.model_dir, self.storage, *self.extra, **self.options).start(port)
         finally:
             for name, value in saved.items():
                 if value is None:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import httpx
 import numpy as np
 import pytest
 import tinker
@@ -32,7 +33,7 @@ DOCS = Path(__file__).resolve().parents[2] / "docs" / "tinker.md"
 CLASSES = ("ServiceClient", "TrainingClient", "SamplingClient", "RestClient")
 PROMPT = [1, 30, 31, 32, 33, 34]
 
-SERVED, CLIENT, HOSTED, REFUSED, PENDING = "served", "client-side", "hosted-only", "refused", "pending: export"
+SERVED, CLIENT, HOSTED, REFUSED = "served", "client-side", "hosted-only", "refused"
 
 
 @dataclass
@@ -270,7 +271,10 @@ def tc_save_weights_and_get_sampling_client(ctx: Ctx, name: str):
 
 
 def tc_save_weights_external(ctx: Ctx, name: str):
-    refused(tinker.NotFoundError, "not supported by this worker", lambda: call(ctx.tc, name, "external"))
+    path = call(ctx.tc, name, f"x-{name}", ttl_seconds=3600).path
+    assert path == f"tinker://{ctx.run_id}/external_weights/x-{name}"
+    urls = ctx.rest.get_external_weights_urls(path).result(30).urls
+    assert sorted(urls) == ["adapter_config.json", "adapter_model.safetensors", "checkpoint_complete"]
 
 
 def tc_save_weights_for_sampler(ctx: Ctx, name: str):
@@ -353,7 +357,11 @@ def rest_delete(by_path: bool):
 
 
 def rest_get_external_weights_urls(ctx: Ctx, name: str):
-    refused(tinker.NotFoundError, "not supported by this worker",
+    path = ctx.tc.save_weights_external(f"u-{name}").result(60).path
+    signed = call(ctx.rest, name, path)
+    assert signed.expires.tzinfo is not None and sorted(signed.urls)[0] == "adapter_config.json"
+    assert httpx.get(signed.urls["adapter_config.json"]).json()["r"] == 4  # fetched without the API key
+    refused(tinker.NotFoundError, "no external weights",
             lambda: call(ctx.rest, name, f"tinker://{ctx.run_id}/external_weights/none"))
 
 
@@ -476,8 +484,9 @@ ROWS: dict[str, Row] = {
     "TrainingClient.save_weights_and_get_sampling_client": Row(SERVED, "`POST /save_weights_for_sampler` (an "
                                                                        "in-memory snapshot; `record_stability_info`)",
                                                                tc_save_weights_and_get_sampling_client),
-    "TrainingClient.save_weights_external": Row(PENDING, "`POST /save_weights_external`: answered 404 until the "
-                                                         "export routes are merged", tc_save_weights_external),
+    "TrainingClient.save_weights_external": Row(SERVED, "`POST /save_weights_external` (+ `ttl_seconds`, "
+                                                        "`age_encryption_recipients`): the model's adapter as an "
+                                                        "export to download", tc_save_weights_external),
     "TrainingClient.save_weights_for_sampler": Row(SERVED, "`POST /save_weights_for_sampler` (+ `ttl_seconds`, "
                                                            "`user_metadata`)", tc_save_weights_for_sampler),
     "SamplingClient.compute_logprobs": Row(SERVED, "`POST /asample` (prompt logprobs)", sp_compute_logprobs),
@@ -507,8 +516,9 @@ ROWS: dict[str, Row] = {
     "RestClient.get_billing_usage": Row(HOSTED, "billing", hosted("billing", lambda c: ("2026-01-01", "2026-02-01"))),
     "RestClient.get_current_checkpoint_storage_usage": Row(HOSTED, "billing (storage usage)",
                                                            hosted("billing", lambda c: ())),
-    "RestClient.get_external_weights_urls": Row(PENDING, "signed URLs of an export: answered 404 until the export "
-                                                         "routes are merged", rest_get_external_weights_urls),
+    "RestClient.get_external_weights_urls": Row(SERVED, "`GET .../external_weights/{name}/external_weights_urls`: "
+                                                        "one signed URL per file, fetched without a key",
+                                                rest_get_external_weights_urls),
     "RestClient.get_sampler": Row(SERVED, "`GET /samplers/{id}`", rest_get_sampler),
     "RestClient.get_server_capabilities": Row(SERVED, "`GET /get_server_capabilities`",
                                               rest_get_server_capabilities),

@@ -21,6 +21,7 @@ from starlette.requests import Request
 from starlette.routing import Route
 
 from server_mock.api.auth import Auth
+from server_mock.api.downloads import Downloads as SignedDownloads
 from server_mock.api.pytrio import actor, checkpoints, control, downloads, runs, sampling
 from server_mock.api.pytrio.endpoint import actor_endpoint, control_endpoint
 from server_mock.api.pytrio.msgpack_codec import MEDIA_TYPE
@@ -32,7 +33,6 @@ from server_mock.service.worker import WorkerService
 logger = logging.getLogger("server_mock")
 
 SWEEP_SECONDS = 5.0
-ARCHIVE_SWEEP_ROUNDS = 12  # download archives of gone checkpoints: once a minute
 OPENAPI = "/api/openapi/v1"
 ACTOR = runs.ACTOR_PREFIX + "/v1"
 ANY = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD"]
@@ -50,10 +50,11 @@ async def _unknown_actor(state, request: Request):
 class PytrioProtocol:
     """The protocol's state, its routes, and the sweep that releases what expired."""
 
-    def __init__(self, service: WorkerService, auth: Auth, options: PytrioOptions | None = None) -> None:
+    def __init__(self, service: WorkerService, auth: Auth, options: PytrioOptions | None = None,
+                 links: SignedDownloads | None = None) -> None:
         self.state = PytrioState(service, options or PytrioOptions())
         self.auth = auth
-        self.downloads = downloads.Downloads(service)
+        self.downloads = downloads.Downloads(service, links)
 
     def routes(self) -> list[Route]:
         state, auth = self.state, self.auth
@@ -95,17 +96,12 @@ class PytrioProtocol:
             a("/client/heartbeat", actor.heartbeat),
             a("/sampling-runs/{run}/sample", sampling.sample),
             a("/{rest:path}", _unknown_actor, ANY, prefix=runs.ACTOR_PREFIX),
-            *link.routes(),
         ]
 
     async def sweep_forever(self) -> None:
-        rounds = 0
         while True:
             await asyncio.sleep(SWEEP_SECONDS)
-            rounds += 1
             try:
                 await self.state.sweep()
-                if rounds % ARCHIVE_SWEEP_ROUNDS == 0:
-                    await asyncio.to_thread(self.downloads.sweep)
             except Exception:  # noqa: BLE001 - the next sweep tries again
                 logger.exception("pytrio: sweep failed")

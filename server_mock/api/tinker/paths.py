@@ -27,8 +27,9 @@ def to_trio_path(path: str, field_name: str = "path") -> str:
                                       "tinker://<run>/weights/<name> or tinker://<run>/sampler_weights/<name>",
                           code="invalid_checkpoint_path")
     if match["kind"] == "external_weights":
-        raise bad_request(field_name, "external_weights paths are not supported by this worker",
-                          code="invalid_checkpoint_path")
+        raise bad_request(field_name, "external_weights checkpoints are exports to download "
+                                      "(get_external_weights_urls); they cannot be loaded or sampled from: use the "
+                                      "run's weights/ or sampler_weights/ checkpoint", code="invalid_checkpoint_path")
     return f"trio://{match['run']}/{_TO_TRIO_KIND[match['kind']]}/{match['name']}"
 
 

@@ -6,21 +6,25 @@ proto/). Models, adapters, request queues and checkpoints are the service's, so 
 protocol shares the worker with the others. See docs/tinker.md.
 
 The routes live with their resource: sessions (sessions and training models), training (forward/backward,
-optimizer steps), weights (save, load, describe), sampling (sampling sessions, asample) and futures
+optimizer steps), weights (save, load, describe), sampling (sampling sessions, asample), futures
 (retrieve_future), rest (training runs, checkpoints and sessions for ``RestClient``; records builds its
-answers). state holds what they share, gate the per-model seq_id ordering (holding bounds what waiting requests
-keep) and submit the hand-over to the service in that order, provenance the records behind stable_reinforce,
-endpoint the HTTP plumbing, paths the tinker:// names. The bounds are listed in docs/reliability.md ("Tinker
-protocol hardening").
+answers) and export (external weights and checkpoint archives, served through api/downloads.py). state holds
+what they share, gate the per-model seq_id ordering (holding bounds what waiting requests keep) and submit the
+hand-over to the service in that order, provenance the records behind stable_reinforce, endpoint the HTTP
+plumbing, paths the tinker:// names. The bounds are listed in docs/reliability.md ("Tinker protocol hardening").
 """
 
 from __future__ import annotations
 
+import functools
+
 from starlette.requests import Request
 from starlette.routing import Route
 
-from server_mock.api.tinker import rest, sampling, sessions, training, weights
-from server_mock.api.tinker.endpoint import JSON, PROTOBUF, endpoint
+from server_mock.api.downloads import Downloads
+from server_mock.api.tinker import restart, rest, sampling, sessions, training, weights
+from server_mock.api.tinker.endpoint import JSON, PROTOBUF, endpoint, tenant_of
+from server_mock.api.tinker.export import Export
 from server_mock.api.tinker.futures import retrieve_future
 from server_mock.api.tinker.paths import tinker_message, tinker_metrics, to_tinker_path, to_trio_path
 from server_mock.api.tinker.state import TinkerState
@@ -34,8 +38,14 @@ async def unsupported(state: TinkerState, request: Request, tenant: str):
                                             "worker (see docs/tinker.md for the Tinker endpoints it serves)")
 
 
-def tinker_routes(service, auth) -> list[Route]:
+def tinker_routes(service, auth, downloads: Downloads | None = None) -> list[Route]:
     state = TinkerState(service)
+    if service.journal is not None:  # --durability full: sessions, models, gates and futures come back at start
+        service.recovery_hooks.append(functools.partial(restart.restore, state))
+    downloads = downloads or Downloads(service.limits.download_url_seconds)
+    downloads.recognize(lambda request: tenant_of(auth, request))
+    export = Export(state, downloads)
+    checkpoint = "/training_runs/{run}/checkpoints"
 
     def route(path: str, handler, methods=("POST",), public: bool = False, media=(JSON,)) -> Route:
         return Route("/api/v1" + path, endpoint(handler, state, auth, public, media), methods=list(methods))
@@ -61,6 +71,12 @@ def tinker_routes(service, auth) -> list[Route]:
         route("/samplers/{sampler_id}", sampling.get_sampler, methods=("GET",)),
         route("/asample", sampling.asample),
         route("/retrieve_future", retrieve_future),
+        route("/save_weights_external", export.save_weights_external),
+        route(checkpoint + "/external_weights/{name}/external_weights_urls", export.external_weights_urls,
+              methods=("GET",)),
+        route(checkpoint + "/external_weights/{name}/ttl", export.set_ttl, methods=("PUT",)),
+        route(checkpoint + "/external_weights/{name}", export.delete, methods=("DELETE",)),
+        route(checkpoint + "/{kind}/{name}/archive", export.archive, methods=("GET",)),
         *(route(path, handler, methods=methods) for path, handler, methods in rest.ROUTES),
         route("/{rest:path}", unsupported, methods=("GET", "POST", "PUT", "PATCH", "DELETE")),
     ]

@@ -105,6 +105,14 @@ class SaveWeights(ModelOp):
     user_metadata: Labels = None
 
 
+class SaveWeightsExternal(ModelOp):
+    """An export for download (``api/tinker/export.py``); the recipients are checked by ``parse_recipients``."""
+
+    path: StrictStr
+    ttl_seconds: StrictInt | None = None
+    age_encryption_recipients: bounded_list(StrictStr, MAX_ITEMS) | None = None
+
+
 class SaveWeightsForSampler(ModelOp):
     path: StrictStr | None = None
     ttl_seconds: StrictInt | None = None
