@@ -71,9 +71,10 @@ class TinkerState:
         limits = service.limits
         self.json_limit = json_limit(limits)  # every JSON body
         self.tensor_limit = tensor_limit(limits)  # forward_backward's protobuf body
+        journal = getattr(service, "journal", None)  # --durability full: sessions and models recorded
         self.futures = Futures(ttl=service.requests.result_ttl, max_bytes=limits.max_result_bytes,
-                               durable=service.journal is not None)
-        self.journal = TinkerJournal(service.journal)  # --durability full: sessions and models recorded
+                               durable=journal is not None)
+        self.journal = TinkerJournal(journal)
         self.held = HeldBytes(WAITING_BYTES_PER_SESSION_BODIES * limits.max_body_bytes,
                               WAITING_BYTES_PER_WORKER_BODIES * limits.max_body_bytes)
         self.sessions: dict[str, Session] = {}
