@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# One prepared GPU check (< 8 minutes on an H200): installs the project, then runs benchmarks/gpu_check.py.
+# One prepared GPU check (about 10 minutes on an H200): installs the project, then runs benchmarks/gpu_decode.py
+# (decode tokens/s and MFU, eager vs CUDA graphs, at 1, 8 and 32 rows) and benchmarks/gpu_check.py.
 # Results are written to $OUT (when set, as on the lent device machines) or benchmarks/results/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv-gpu 2>/dev/null || true
 . .venv-gpu/bin/activate
 python -m pip install -q -e ".[worker]" >/dev/null
+python benchmarks/gpu_decode.py --device cuda --out "${OUT:-benchmarks/results}/gpu_decode.json" || true
 python benchmarks/gpu_check.py --device cuda --out "${OUT:-benchmarks/results}/gpu_check.json"

@@ -133,7 +133,7 @@ def summarize(values: list[float]) -> dict:
 
 
 class LocalWorker:
-    def __init__(self, threads: int) -> None:
+    def __init__(self, threads: int, extra: tuple[str, ...] = ()) -> None:
         from server_mock.engine.tiny_model import make_tiny_model
 
         self.dir = Path(tempfile.mkdtemp(prefix="pytrio-load-"))
@@ -142,7 +142,7 @@ class LocalWorker:
         port_file = self.dir / "port"
         cmd = [sys.executable, "-m", "server_mock", "serve", "--model", f"tiny={model}", "--host", "127.0.0.1",
                "--port", "0", "--port-file", str(port_file), "--storage", str(self.storage),
-               "--log-level", "WARNING"] + (["--threads", str(threads)] if threads else [])
+               "--log-level", "WARNING", *extra] + (["--threads", str(threads)] if threads else [])
         self.log = open(self.dir / "worker.log", "wb")  # noqa: SIM115 - held open for the worker's lifetime
         self.process = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 120

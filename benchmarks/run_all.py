@@ -1,6 +1,6 @@
 """Run every benchmark in turn (results land in benchmarks/results/*.json); see docs/benchmarks.md.
 
-    python benchmarks/run_all.py            # sampling, training, sync/client overhead, recipe step times, KL cost
+    python benchmarks/run_all.py            # roofline, sampling, training, overheads, recipe steps, KL cost
     python benchmarks/run_all.py --with-trl # also GRPO vs TRL (trl is in the dev extra)
 """
 
@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SCRIPTS = ["sampling_throughput.py", "train_throughput.py", "sync_and_client_overhead.py", "recipe_step_time.py",
-           "reference_pass_cost.py"]  # grpo_variants.py (learning runs, ~10 min each) is run on its own
+SCRIPTS = ["roofline.py", "sampling_throughput.py", "train_throughput.py", "sync_and_client_overhead.py",
+           "recipe_step_time.py", "reference_pass_cost.py"]  # grpo_variants.py (learning runs, ~10 min each) runs alone
 
 
 def main() -> None:

@@ -69,6 +69,11 @@ class Limits:
     max_stop_string_bytes: int = setting(256, "UTF-8 bytes of one stop string")
     # checked per token; clients send a few, or a few hundred (a class of ids)
     max_stop_token_ids: int = setting(1024, "stop token ids per sample request")
+    # a long decode yields the model to the next waiting tenant after this long (engine/queue.py)
+    decode_slice_seconds: float = setting(0.5, "seconds a decode batch runs before the next tenant waiting for the "
+                                               "model takes its turn (the batch resumes after it); requests for the "
+                                               "same weights join the batch between steps", minimum=0.001,
+                                          metavar="S")
     # images (engine/images.py): the bytes bound what a client may send, the pixels what decoding may allocate
     # (checked from the file's header before any pixel is decoded), the count how many decodes one request buys
     max_image_bytes: int = setting(10 * 1024 * 1024, "bytes of one image (PNG or JPEG file)")
@@ -171,8 +176,9 @@ PREFIX_SHARE_MIN_TOKENS = 32
 
 @dataclass(frozen=True)
 class TrainOptions:
-    """How forward/backward runs. bf16 autocast is 2-3x faster on CPUs with AVX-512 BF16 and on GPUs, but
-    the trainer's logprobs then differ from the float32 sampler's by ~1e-2, so it is off unless asked for."""
+    """How the model runs: forward/backward, and the sampler's decode steps. bf16 autocast is 2-3x faster on CPUs
+    with AVX-512 BF16 and on GPUs, but the trainer's logprobs then differ from the float32 sampler's by ~1e-2, so
+    it is off unless asked for."""
 
     micro_batch_tokens: int = setting(MICRO_BATCH_TOKENS, "padded tokens per forward/backward pass (bounds "
                                                           "activation and logit memory)")
@@ -184,6 +190,17 @@ class TrainOptions:
     float32_head: bool = setting(True, "compute the output head in the model's dtype (by default it runs in float32 "
                                        "in the sampler and the trainer, which keeps bf16 logprobs of the two sides "
                                        "closer)", flag="--no-float32-head")
+    # fixed-shape decode steps (sampling/static_steps.py): on CUDA captured as CUDA graphs per shape bucket
+    decode_graphs: bool = setting(False, "run the sampler's decode steps at fixed shapes (rows and cache columns in "
+                                         "buckets) through torch.compile: on CUDA, mode=reduce-overhead captures one "
+                                         "CUDA graph per bucket; the tokens and logprobs are the eager path's. "
+                                         "Compile time is paid once per bucket", flag="--decode-graphs",
+                                  choices={"off": False, "on": True})
+    # a snapshot's LoRA merged into a weight copy for decoding (engine/merged_lora.py); float32 models only
+    merge_lora_bytes: int = setting(2 * 1024 ** 3, "bytes of merged weight copies kept for decoding from snapshots "
+                                                   "of a float32 model (each snapshot's LoRA merged into a copy of "
+                                                   "the layers it adapts: faster decode steps, logprobs the same to "
+                                                   "~1e-7); 0 decodes unmerged", minimum=0, metavar="BYTES")
     # an image-text model's vision tower is frozen by default (lora.linear_groups); PEFT adapts its Linear layers too
     lora_vision_tower: bool = setting(False, "LoRA also covers an image-text model's vision tower and projector (its "
                                              "attention layers with train_attn, the rest with train_mlp); by default "

@@ -141,6 +141,10 @@ class RemoteModelHost(ModelFacts):
         timings["replica"] = float(index)
         return results
 
+    def sampling_session(self, snapshot: Snapshot | None) -> None:
+        """None: a replica decodes each batch in one go (the replicas' own threads keep other tenants moving)."""
+        return None
+
     # --- runs -----------------------------------------------------------------------------------------
 
     def _group_for_new_run(self) -> TrainerGroup:

@@ -76,6 +76,10 @@ class ModelHost(Protocol):
     def sample_batch(self, snapshot: Snapshot | None, specs: list, timings: dict[str, float]) -> list:
         """Generate for every ``SampleSpec`` as one batch with the snapshot's weights (None: the base model)."""
 
+    def sampling_session(self, snapshot: Snapshot | None) -> Any | None:
+        """A resumable decode batch for these weights (engine/sampling_session.py), which the model queue runs in
+        slices and adds requests to while it decodes; None where the host decodes a batch in one go."""
+
 
 class ModelFacts:
     """What both hosts read from the model's module tree alone (the Ray front end holds it on the ``meta`` device):

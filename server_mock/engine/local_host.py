@@ -22,11 +22,14 @@ from server_mock.config import TrainOptions
 from server_mock.engine import support
 from server_mock.engine.host import ModelFacts
 from server_mock.engine.loading import load_model_and_tokenizer
+from server_mock.engine.merged_lora import MergedDecoder, merged_bytes
+from server_mock.engine.sampling_session import SamplingSession
 from server_mock.engine.vision import ImageProcessing, is_image_text, load_image_processing
 from server_mock.engine.vision_probe import probe_image_decoding
 from server_mock.errors import bad_request
 from server_mock.lora import Adapter, Snapshot, linear_groups, lora_config
 from server_mock.sampling.generate import generate_batch
+from server_mock.sampling.static_steps import StaticSteps
 from server_mock.training import adamw, prefix_cache, prefix_sharing
 from server_mock.training.forward_backward import TrainModel, run_forward_backward, token_logprobs
 
@@ -64,6 +67,9 @@ class LocalModelHost(ModelFacts):
         self.peft = None
         self.adapters: dict[str, Adapter] = {}
         self._slots: dict[str, str] = {}  # sampler slot adapter name -> snapshot id loaded in it
+        self._base_only: _BaseOnly | None = None
+        self._merged: dict[str, tuple[MergedDecoder, int]] = {}  # snapshot id -> merged decoder, its bytes
+        self._static: dict[int, tuple[nn.Module, StaticSteps]] = {}  # by sampling model
 
     def _load_vision(self) -> tuple[ImageProcessing | None, str | None]:
         """An image-text model's image processing, and why images cannot be served on it (None: they can)."""
@@ -240,9 +246,46 @@ class LocalModelHost(ModelFacts):
         """Generate for every spec as one batch with the snapshot's weights (None: the base model); the time to
         load the weights goes in ``timings["load_weights"]``, prefill and decode times beside it."""
         started = time.perf_counter()
-        model = self.sampling_model(snapshot)
+        model = self.decode_model(snapshot)
         timings["load_weights"] = time.perf_counter() - started
-        return generate_batch(model, specs, self.tokenizer, timings, self.sampling_support)
+        return generate_batch(model, specs, self.tokenizer, timings, self.sampling_support, self.static_steps(model))
+
+    def sampling_session(self, snapshot: Snapshot | None) -> SamplingSession:
+        """A decode batch for these weights that the model queue runs in slices and adds requests to."""
+        return SamplingSession(self, snapshot)
+
+    def static_steps(self, model: nn.Module) -> StaticSteps | None:
+        """The fixed-shape (CUDA graph) decode steps of a sampling model, kept per model: None unless
+        ``--decode-graphs on``."""
+        if not self.options.decode_graphs:
+            return None
+        if id(model) not in self._static:
+            self._static[id(model)] = (model, StaticSteps(model, compile=True))
+        return self._static[id(model)][1]
+
+    @staticmethod
+    def _slot_name(snapshot: Snapshot) -> str:
+        layout = hashlib.sha256(repr((snapshot.spec.rank, snapshot.target_modules)).encode()).hexdigest()[:12]
+        return f"sampler-slot-{layout}"
+
+    def decode_model(self, snapshot: Snapshot | None) -> nn.Module:
+        """The model a decode runs on: for a snapshot of a float32 model, its LoRA merged into a copy of the
+        adapted weights (engine/merged_lora.py) while the merged copies fit ``--merge-lora-bytes``; otherwise
+        ``sampling_model``. Merged copies are kept per snapshot, the least recently used dropped first."""
+        budget = self.options.merge_lora_bytes
+        if snapshot is None or self.dtype != torch.float32 or budget <= 0:
+            return self.sampling_model(snapshot)
+        merged = self._merged.pop(snapshot.snapshot_id, None)
+        if merged is None:
+            model = self.sampling_model(snapshot)  # the slot holds the snapshot's LoRA: merge it from there
+            size = merged_bytes(self.peft, self._slot_name(snapshot))
+            if size > budget:
+                return model
+            while self._merged and size + sum(m[1] for m in self._merged.values()) > budget:
+                self._merged.pop(next(iter(self._merged)))
+            merged = (MergedDecoder(self.peft, self._slot_name(snapshot)), size)
+        self._merged[snapshot.snapshot_id] = merged  # most recently used last
+        return merged[0]
 
     def sampling_model(self, snapshot: Snapshot | None) -> nn.Module:
         """The model to generate with: the base model, or a sampler slot holding the snapshot's weights.
@@ -251,9 +294,12 @@ class LocalModelHost(ModelFacts):
         a different snapshot asks for it, so a GRPO step's many sample calls copy the weights once.
         """
         if snapshot is None:
-            return _BaseOnly(self.peft) if self.peft is not None else self.model
-        layout = hashlib.sha256(repr((snapshot.spec.rank, snapshot.target_modules)).encode()).hexdigest()[:12]
-        slot = f"sampler-slot-{layout}"
+            if self.peft is None:
+                return self.model
+            if self._base_only is None or self._base_only.inner is not self.peft:
+                self._base_only = _BaseOnly(self.peft)
+            return self._base_only
+        slot = self._slot_name(snapshot)
         if self.peft is None or slot not in self.peft.peft_config:
             self._add_peft_adapter(slot, snapshot.spec, 0)
         if self._slots.get(slot) != snapshot.snapshot_id:

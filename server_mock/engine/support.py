@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from server_mock.errors import WorkerError
+from server_mock.sampling import cache_rows
 from server_mock.sampling.generate import SamplingSupport
 
 logger = logging.getLogger("server_mock")
@@ -71,6 +72,8 @@ def probe_sampling(model: nn.Module, vocab_size: int) -> SamplingSupport:
         except Exception as exc:  # noqa: BLE001 - any failure means the model cannot be served
             raise refuse(model_type, f"a forward pass failed ({type(exc).__name__}: {exc})") from exc
         ref = ref[short_p.shape[1] - 1:]
+        ref_long = model(input_ids=torch.cat([long_p, follow], 1), use_cache=False).logits.float()[0]
+        ref_long = ref_long[long_p.shape[1] - 1:]
         tol = (1e-3 if dtype == torch.float32 else 5e-2) * max(1.0, float(ref.abs().max()))
         try:
             solo = _decode_solo(model, short_p, follow)
@@ -81,13 +84,20 @@ def probe_sampling(model: nn.Module, vocab_size: int) -> SamplingSupport:
                                      "logprobs could not match the trainer's")
         shared = _agrees(lambda: _decode_expanded(model, short_p, follow), ref, tol)
         padded = _agrees(lambda: _decode_padded(model, long_p, short_p, follow), ref, tol)
-    support = SamplingSupport(shared_prefix=shared, padded_batch=padded)
+        refs = {id(short_p): ref, id(long_p): ref_long}
+        joined = padded and all(
+            _agrees(lambda a=a, b=b: _decode_joined(model, a, b, follow, refs), torch.zeros(()), tol)
+            for a, b in ((short_p, long_p), (long_p, short_p)))
+    support = SamplingSupport(shared_prefix=shared, padded_batch=padded, join_running=joined)
     if not shared:
         logger.warning("model type %s: its cache cannot be expanded or reordered; every sample row prefills its "
                        "own copy of the prompt and stopped rows stay in the batch (correct, slower)", model_type)
     if not padded:
         logger.warning("model type %s: prompts cannot be left-padded into one batch; concurrent sample requests "
                        "are decoded one after another (correct, slower)", model_type)
+    elif not joined:
+        logger.warning("model type %s: its cache cannot take new rows while decoding; a sample request that arrives "
+                       "during a batch's decode waits for that batch to end (correct, slower)", model_type)
     return support
 
 
@@ -121,6 +131,36 @@ def _decode_expanded(model, prompt, follow):
         logits, cache = _forward(model, ids, cache)
         rows.append(logits[-1, -1])
     return torch.stack(rows)
+
+
+def _decode_joined(model, first, second, follow, refs):
+    """Prefill ``first`` and decode one token; then prefill ``second``, stack its row under (columns
+    right-aligned, as ``DecodeBatch`` admits a request) and decode both. Returns the largest gap of either row's
+    logits to its full-forward reference (``refs``), so ``_agrees`` compares it with zero."""
+    logits, cache = _forward(model, first)
+    rows_a = [logits[0, -1]]
+    logits, cache = _forward(model, follow[:, :1], cache)
+    rows_a.append(logits[0, -1])
+    len_a, len_b = first.shape[1] + 1, second.shape[1]
+    logits_b, cache_b = _forward(model, second)
+    rows_b = [logits_b[0, -1]]
+    columns = max(len_a, len_b)
+    if not cache_rows.stackable(cache):
+        return None
+    cache_rows.stack(cache, cache_b, columns, 0)
+    mask = torch.zeros((2, columns), dtype=torch.long, device=first.device)
+    mask[0, columns - len_a:], mask[1, columns - len_b:] = 1, 1
+    positions = torch.tensor([[len_a], [len_b]], device=first.device)
+    for t in range(follow.shape[1] - 1):  # row a is one token ahead of row b
+        mask = torch.cat([mask, mask.new_ones((2, 1))], dim=1)
+        ids = torch.stack([follow[0, t + 1:t + 2], follow[0, t:t + 1]])
+        logits, cache = _forward(model, ids, cache, mask, positions)
+        rows_a.append(logits[0, -1])
+        rows_b.append(logits[1, -1])
+        positions = positions + 1
+    gap_a = (torch.stack(rows_a) - refs[id(first)]).abs().max()
+    gap_b = (torch.stack(rows_b) - refs[id(second)][:len(rows_b)]).abs().max()
+    return torch.maximum(gap_a, gap_b)
 
 
 def _decode_padded(model, long_p, short_p, follow):

@@ -98,7 +98,8 @@ class Models:
                         raise
                     raise WorkerError(500, "model_load_failed",
                                       f"{field_name}: could not load model {name!r}: {exc}", field_name) from exc
-                self.queues[name] = ModelQueue(name, asyncio.get_running_loop())
+                self.queues[name] = ModelQueue(name, asyncio.get_running_loop(),
+                                               slice_seconds=self.limits.decode_slice_seconds)
                 if self.cluster is not None:  # samples go to the replicas from their own queue, beside training
                     self.queues[f"{name}:sampling"] = host.sampling_queue(asyncio.get_running_loop())
                 self.hosts[name] = host

@@ -203,12 +203,45 @@ class Samplers:
         job.payload = (spec, return_text)
         job.batch_fn = lambda payloads: _sample_batch(host, load(), payloads)
         job.batch_cost = spec.num_samples * (len(spec.prompt_tokens) + spec.max_tokens)
+        job.open_decode = lambda: _SampleDecoding.open(host, load())
         self.models.sampling_queue(sampler.base_model).put(job)
         return job
 
-
     def _record_result(self, job: Job, result: dict | None, error) -> None:
         self.journal.request_finished(job, result, error)
+
+
+class _SampleDecoding:
+    """Sample requests for one set of weights decoding in slices (the queue's ``Decoding``): the host's
+    ``sampling_session`` with each finished request in its result form."""
+
+    def __init__(self, host: ModelHost, session) -> None:
+        self.host, self.session, self.payloads = host, session, {}
+
+    @classmethod
+    def open(cls, host: ModelHost, snapshot: Snapshot | None):
+        session = host.sampling_session(snapshot)
+        return None if session is None else cls(host, session)
+
+    @property
+    def active(self) -> bool:
+        return self.session.active
+
+    def can_add(self) -> bool:
+        return self.session.can_add()
+
+    def add(self, payload: tuple[SampleSpec, bool]) -> int:
+        handle = self.session.add(payload[0])
+        self.payloads[handle] = payload
+        return handle
+
+    def run(self, stop) -> list[tuple[int, dict]]:
+        finished = self.session.run(stop)
+        if finished:
+            crash_points.reached("sample")  # (kill tests) the tokens generated, nothing answered
+        return [(handle, _sample_dicts(self.host, [self.payloads.pop(handle)], [result], timings,
+                                       self.session.requests)[0])
+                for handle, result, timings in finished]
 
 
 def _sample_batch(host: ModelHost, snapshot: Snapshot | None, payloads: list[tuple[SampleSpec, bool]]) -> list[dict]:
@@ -216,6 +249,12 @@ def _sample_batch(host: ModelHost, snapshot: Snapshot | None, payloads: list[tup
     timings: dict[str, float] = {}
     results = host.sample_batch(snapshot, [spec for spec, _ in payloads], timings)
     crash_points.reached("sample")  # (kill tests) the tokens generated, nothing answered
+    return _sample_dicts(host, payloads, results, timings, len(payloads))
+
+
+def _sample_dicts(host: ModelHost, payloads: list[tuple[SampleSpec, bool]], results: list, timings: dict[str, float],
+                  batch_requests: int) -> list[dict]:
+    """Each request's result dict: its sequences, prompt logprobs, token counts and the batch's timings."""
     out = []
     for (spec, return_text), result in zip(payloads, results):
         sequences = [
@@ -229,7 +268,7 @@ def _sample_batch(host: ModelHost, snapshot: Snapshot | None, payloads: list[tup
             "topk_prompt_logprobs": result.topk_prompt_logprobs or [],
             "input_tokens": len(spec.prompt_tokens),
             "output_tokens": sum(len(s.tokens) for s in result.sequences),
-            "metrics": {"batch_requests": float(len(payloads)),
+            "metrics": {"batch_requests": float(batch_requests),
                         "time/load_weights": timings.get("load_weights", 0.0),
                         "time/prefill": timings.get("prefill", 0.0), "time/decode": timings.get("decode", 0.0),
                         **({"sampler_replica": timings["replica"]} if "replica" in timings else {})},

@@ -20,8 +20,9 @@ pytestmark = pytest.mark.timeout(600)
 FAMILIES = [f for f in TINY_FAMILIES if f != "qwen2"]  # qwen2 is the default tiny model of every other test
 TOL = 1e-5  # sampler vs trainer logprobs: measured ~1e-6 on every tiny family
 # SmolLM2-135M: 30 layers of trained float32 weights sum in a different order in the cached decode than in one
-# full forward pass; measured 2.0e-5 on CPU
-SMOLLM2_TOL = 5e-5
+# full forward pass: measured 2.0e-5 to 2.7e-5 on CPU decoding through the LoRA side paths, 5.1e-5 with the
+# adapter merged into a weight copy for decoding (the default for float32 models; benchmarks/roofline.py)
+SMOLLM2_TOL = 1e-4
 
 
 @pytest.fixture(scope="module")

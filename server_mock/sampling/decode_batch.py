@@ -1,0 +1,423 @@
+"""The decode loop as an object: requests join a running batch between steps and leave it when their rows end.
+
+``DecodeBatch.admit`` prefills new requests (each distinct prompt once; several prompts together, left-padded)
+and, if a batch is already decoding, stacks their rows under it (``cache_rows.stack``: columns right-aligned, the
+attention mask hiding the padding, exactly as if all had been prefilled together). ``run`` advances every row one
+token per step until told to stop, so a caller can decode in slices and let other work run in between, and
+``take_finished`` hands back each request as soon as its last row ends. ``generate_batch`` is admit-then-run.
+
+Rows that stop stay in the cache, fed their last token, until a quarter of the cache's rows are dead; then the
+cache keeps only the live rows (one copy for several rows, instead of one per row). Their outputs are never
+read, so nothing a live row computes depends on them. The cache's full-attention layers append in place
+(``cache_rows.give_room``), sized for the longest remaining row.
+
+Where a model's cache cannot do something (``SamplingSupport``, found by the load-time probe), the slower
+path keeps the results exact: no shared prefill (each row prefills its own copy; rows never leave), no padded
+batch (requests decode one after another), no stacking (a request waits until the running batch ends).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from server_mock.sampling import cache_rows
+from server_mock.sampling.logprobs import EvalMode, prompt_logprobs
+from server_mock.sampling.token_choice import next_tokens, row_seed, stop_string_hit
+
+__all__ = ["DecodeBatch", "FULL_SUPPORT", "SamplingSupport", "forward"]
+
+
+@dataclass(frozen=True)
+class SamplingSupport:
+    """Which decoding paths a model's cache can take (``engine.support.probe_sampling`` finds out).
+
+    ``shared_prefix``: a prompt is prefilled once and its cache expanded to the sample rows, and stopped rows
+    are dropped (``Cache.reorder_cache``); otherwise every row prefills its own copy of the prompt and stopped
+    rows ride along until the batch ends. ``padded_batch``: several prompts can be prefilled and decoded
+    together, left-padded under an attention mask; otherwise coalesced requests run one after another.
+    ``join_running``: a request prefilled while a batch decodes can join that batch (``cache_rows.stack``);
+    otherwise it waits for the batch to end.
+    """
+
+    shared_prefix: bool = True
+    padded_batch: bool = True
+    join_running: bool = True
+
+
+FULL_SUPPORT = SamplingSupport()
+# compact the cache when at most this fraction of its rows is live (dead rows cost compute until then)
+_COMPACT_AT = 0.75
+
+
+def _model_device(model) -> torch.device:
+    try:
+        return next(model.parameters()).device
+    except StopIteration:  # pragma: no cover
+        return torch.device("cpu")
+
+
+def forward(model, input_ids: torch.Tensor, cache, logits_to_keep: int = 0, attention_mask=None, position_ids=None):
+    """A causal-LM forward with the cache (transformers 5.24 renamed ``past_key_values=``: ``cache=``)."""
+    out = model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=logits_to_keep,
+                attention_mask=attention_mask, position_ids=position_ids)
+    new_cache = getattr(out, "cache", None)
+    if new_cache is None:  # pragma: no cover - older output classes
+        new_cache = getattr(out, "past_key_values", None)
+    return out.logits, new_cache
+
+
+@dataclass
+class _Row:
+    """One sample row: its request, its generator and what it has produced so far."""
+
+    request: int
+    spec: object
+    generator: torch.Generator | None
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    reason: str = "length"
+    done: bool = False
+
+
+@dataclass
+class _Request:
+    spec: object
+    rows: list[int]
+    stops: list[str]
+    window: int
+    prompt_info: tuple = (None, None)
+    open_rows: int = 0
+    prefill_s: float = 0.0
+    decode_started: float = 0.0  # the batch's decode clock when the request's rows started
+
+
+@dataclass
+class Finished:
+    """A request whose rows have all ended: its rows (tokens, logprobs, stop reason), prompt logprobs, times."""
+
+    handle: int
+    rows: list[_Row]
+    prompt_logprobs: list | None
+    topk_prompt_logprobs: list | None
+    prefill_s: float
+    decode_s: float
+
+
+def _left_padded(prompts: list[list[int]], device: torch.device):
+    """Token ids, attention mask and position ids of prompts left-padded to one length (mask None if equal)."""
+    longest = max(len(p) for p in prompts)
+    ids = torch.zeros((len(prompts), longest), dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, longest - len(p):] = torch.tensor(p, dtype=torch.long)
+    ids = ids.to(device)
+    if all(len(p) == longest for p in prompts):
+        return ids, None, None
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(prompts):
+        mask[b, longest - len(p):] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    return ids, mask, positions
+
+
+class _Part:
+    """A batch's decoding state: cache, next-token logits, mask and next positions (None when unpadded)."""
+
+    def __init__(self, cache, step_logits, mask, positions, columns: int, rows: list[int]):
+        self.cache, self.step_logits, self.mask, self.positions = cache, step_logits, mask, positions
+        self.columns = columns  # cache columns (the padded length so far)
+        self.rows = rows  # the sample row in each cache position
+
+
+class DecodeBatch:
+    """Requests decoding as one batch (see the module docstring). Not thread-safe: one thread drives it."""
+
+    def __init__(self, model, tokenizer=None, support: SamplingSupport = FULL_SUPPORT,
+                 profile: dict[str, float] | None = None, static=None) -> None:
+        self.model, self.tokenizer, self.support = model, tokenizer, support
+        # fixed-shape steps (static_steps.StaticSteps: CUDA graphs on a GPU), or None for the dynamic path
+        self.static = static
+        self._in_static = False
+        self.device = _model_device(model)
+        self.rows: list[_Row] = []
+        self.requests: dict[int, _Request] = {}
+        self._waiting: list[int] = []  # admitted, not yet prefilled (the batch cannot take them yet)
+        self._finished: list[Finished] = []
+        self._part: _Part | None = None
+        self._live: list[int] = []  # rows still generating, in cache order
+        self._clock = 0.0  # decode seconds so far
+        self.profile = profile  # where the time goes (seconds per phase), if given
+        self.prefill_s = 0.0
+        self._step_started = 0.0
+
+    # --- what is in the batch ------------------------------------------------------------------------------
+
+    @property
+    def active(self) -> bool:
+        """Rows are decoding or requests wait to be prefilled."""
+        return bool(self._live or self._waiting)
+
+    @property
+    def decode_s(self) -> float:
+        """Seconds spent in decode steps so far."""
+        return self._clock
+
+    @property
+    def live_rows(self) -> int:
+        return len(self._live)
+
+    def can_join(self) -> bool:
+        """Whether a request admitted now starts at the next step (rather than waiting for the batch to end)."""
+        if self._part is None and not self._waiting:
+            return True
+        return self.support.padded_batch and self.support.join_running and not self._waiting
+
+    @property
+    def has_finished(self) -> bool:
+        """Some request ended since the last ``take_finished``."""
+        return bool(self._finished)
+
+    def take_finished(self) -> list[Finished]:
+        out, self._finished = self._finished, []
+        return out
+
+    # --- admitting requests ------------------------------------------------------------------------------------
+
+    def admit(self, specs: list) -> list[int]:
+        """Queue requests into the batch; they are prefilled now where the batch can take them. Their handles."""
+        handles = []
+        for spec in specs:
+            handle = len(self.requests)
+            seed = spec.seed if spec.seed is not None else random.SystemRandom().getrandbits(63)
+            stops = [s for s in spec.stop_strings if s]
+            # a newly completed stop string lies in the last (its byte length) tokens, each token >= 1 byte; a
+            # few extra tokens cover decoders that strip a leading space
+            window = max((len(s.encode("utf-8")) for s in stops), default=0) + 4
+            request = _Request(spec, [], stops, window)
+            for r in range(spec.num_samples):
+                gen = None
+                if spec.temperature != 0:
+                    gen = torch.Generator(device=self.device)
+                    gen.manual_seed(row_seed(seed, r))
+                request.rows.append(len(self.rows))
+                self.rows.append(_Row(handle, spec, gen))
+            self.requests[handle] = request
+            handles.append(handle)
+        self._waiting.extend(handles)
+        with torch.no_grad(), EvalMode(self.model):
+            self._prefill_waiting()
+        return handles
+
+    def _prefill_waiting(self) -> None:
+        if not self._waiting:
+            return
+        if self._part is not None and not (self.support.padded_batch and self.support.join_running):
+            return  # they start when the running batch ends
+        take = self._waiting if self.support.padded_batch else self._waiting[:1]
+        self._waiting = self._waiting[len(take):]
+        self._prefill(take)
+
+    def _prefill(self, handles: list[int]) -> None:
+        started = time.perf_counter()
+        specs = [self.requests[h].spec for h in handles]
+        new_rows = [r for h in handles for r in self.requests[h].rows]
+        # rows of the prefill batch: one per request, or one per sample row where the cache cannot be expanded
+        if self.support.shared_prefix:
+            prefill_of_row = {r: i for i, h in enumerate(handles) for r in self.requests[h].rows}
+            prompts = [s.prompt_tokens for s in specs]
+        else:
+            prefill_of_row = {r: i for i, r in enumerate(new_rows)}
+            prompts = [self.rows[r].spec.prompt_tokens for r in new_rows]
+        ids, mask, positions = _left_padded(prompts, self.device)
+        want_prompt = any(s.include_prompt_logprobs or s.topk_prompt_logprobs > 0 for s in specs)
+        logits, cache = forward(self.model, ids, None, 0 if want_prompt else 1, mask, positions)
+        for h, spec in zip(handles, specs):
+            request = self.requests[h]
+            if spec.include_prompt_logprobs or spec.topk_prompt_logprobs > 0:
+                b = prefill_of_row[request.rows[0]]
+                offset = ids.shape[1] - len(prompts[b])
+                request.prompt_info = prompt_logprobs(logits[b, offset:], ids[b, offset:],
+                                                      spec.include_prompt_logprobs, spec.topk_prompt_logprobs)
+        step_logits = logits[:, -1, :].float()
+        del logits
+        live = [r for r in new_rows if self.rows[r].spec.max_tokens > 0]
+        for r in new_rows:
+            self.rows[r].done = self.rows[r].spec.max_tokens <= 0
+        if self.support.shared_prefix:  # one cache row per request so far: expand to its live sample rows
+            index = [prefill_of_row[r] for r in live]
+            rows = list(live)
+        else:  # every row has its own cache row; rows with nothing to generate ride along
+            index, rows = list(range(len(new_rows))), list(new_rows)
+        lengths = torch.tensor([len(p) for p in prompts], device=self.device)
+        part = None
+        if live:
+            if index != list(range(len(prompts))):
+                idx = torch.tensor(index, dtype=torch.long, device=self.device)
+                cache_rows.keep_rows(cache, idx)
+                step_logits = step_logits[idx]
+                if mask is not None:
+                    mask, lengths = mask[idx], lengths[idx]
+            part = _Part(cache, step_logits, mask, None if mask is None else lengths, ids.shape[1], rows)
+        elapsed = time.perf_counter() - started
+        self.prefill_s += elapsed
+        for h in handles:
+            request = self.requests[h]
+            request.prefill_s, request.decode_started = elapsed, self._clock
+            request.open_rows = sum(1 for r in request.rows if not self.rows[r].done)
+            if request.open_rows == 0:
+                self._finish(h)
+        if part is not None:
+            self._join(part, live)
+
+    def _join(self, part: _Part, live: list[int]) -> None:
+        """Make ``part`` the batch, or stack it under the running one."""
+        run = self._part
+        if run is None:
+            self._part = part
+        else:
+            self._leave_static()
+            columns = max(run.columns, part.columns)
+            if run.mask is None and part.mask is None and run.columns == part.columns:
+                mask = positions = None
+            else:
+                n_run = len(run.rows)
+                mask = torch.zeros((n_run + len(part.rows), columns), dtype=torch.long, device=self.device)
+                mask[:n_run, columns - run.columns:] = 1 if run.mask is None else run.mask
+                mask[n_run:, columns - part.columns:] = 1 if part.mask is None else part.mask
+                positions = torch.cat([self._positions(run), self._positions(part)])
+            started = time.perf_counter()
+            cache_rows.stack(run.cache, part.cache, columns, 0)
+            self._count("stack", started)
+            run.step_logits = torch.cat([run.step_logits, part.step_logits])
+            run.mask, run.positions, run.columns = mask, positions, columns
+            run.rows = run.rows + part.rows
+        self._live.extend(live)
+        cache_rows.give_room(self._part.cache, self._room())
+        self._enter_static()
+
+    def _enter_static(self) -> None:
+        part = self._part
+        if self.static is None or self._in_static or not self.static.supports(part.cache):
+            return
+        self.static.load(part.cache, part.mask, part.positions, part.columns, self._room())
+        self._in_static = True
+
+    def _leave_static(self) -> None:
+        if self._in_static:
+            part = self._part
+            part.mask, part.positions, part.columns = self.static.unload(part.cache, self._room())
+            self._in_static = False
+
+    def _positions(self, part: _Part) -> torch.Tensor:
+        """Each cache row's next position (an unpadded part's rows are at its column count)."""
+        if part.positions is not None:
+            return part.positions
+        return torch.full((len(part.rows),), part.columns, dtype=torch.long, device=self.device)
+
+    def _room(self) -> int:
+        return max((self.rows[r].spec.max_tokens - len(self.rows[r].tokens) for r in self._live), default=0)
+
+    # --- decoding ------------------------------------------------------------------------------------------
+
+    def run(self, stop=None) -> None:
+        """Decode steps until no row is left or ``stop()`` (asked after every step, so a call makes at least one
+        step) says to yield."""
+        with torch.no_grad(), EvalMode(self.model):
+            while self.active:
+                if not self._live:
+                    self._prefill_waiting()
+                else:
+                    self._step_started = time.perf_counter()
+                    self._step()
+                    self._clock += time.perf_counter() - self._step_started
+                    self._step_started = 0.0
+                if stop is not None and stop():
+                    return
+
+    def _count(self, phase: str, started: float) -> None:
+        if self.profile is not None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.profile[phase] = self.profile.get(phase, 0.0) + time.perf_counter() - started
+
+    def _step(self) -> None:
+        part = self._part
+        started = time.perf_counter()
+        if len(self._live) == len(part.rows):
+            logits = part.step_logits
+        else:
+            where = {r: b for b, r in enumerate(part.rows)}
+            logits = part.step_logits[[where[r] for r in self._live]]
+        tokens, logprobs = next_tokens([self.rows[r] for r in self._live], logits)
+        self._count("sample", started)
+        started = time.perf_counter()
+        going = []
+        for r, t, lp in zip(self._live, tokens, logprobs):
+            if self._record(r, t, lp):
+                going.append(r)
+        self._live = going
+        self._count("record", started)
+        if not going:
+            if self._in_static:
+                self.static.active, self._in_static = None, False
+            self._part = None
+            self._prefill_waiting()
+            return
+        if self.support.shared_prefix and len(going) <= _COMPACT_AT * len(part.rows):
+            started = time.perf_counter()
+            self._leave_static()
+            where = {r: b for b, r in enumerate(part.rows)}
+            idx = torch.tensor([where[r] for r in going], dtype=torch.long, device=self.device)
+            cache_rows.keep_rows(part.cache, idx)
+            if part.mask is not None:
+                part.mask, part.positions = part.mask[idx], part.positions[idx]
+            part.rows = list(going)
+            cache_rows.give_room(part.cache, self._room())
+            self._enter_static()
+            self._count("compact", started)
+        started = time.perf_counter()
+        # rows that stopped ride along until the next compaction, fed their last token; their outputs are unread
+        feed = torch.tensor([self.rows[r].tokens[-1] if self.rows[r].tokens else 0 for r in part.rows],
+                            dtype=torch.long).to(self.device)
+        if self._in_static:
+            part.step_logits = self.static.step(feed)
+            part.columns += 1
+            self._count("forward", started)
+            return
+        if part.mask is not None:
+            part.mask = torch.cat([part.mask, part.mask.new_ones((part.mask.shape[0], 1))], dim=1)
+        positions = None if part.positions is None else part.positions[:, None]
+        logits, part.cache = forward(self.model, feed[:, None], part.cache, 1, part.mask, positions)
+        part.step_logits = logits[:, -1, :].float()
+        part.columns += 1
+        if part.positions is not None:
+            part.positions = part.positions + 1
+        self._count("forward", started)
+
+    def _record(self, r: int, token: int, logprob: float) -> bool:
+        """Append a row's token; whether the row goes on generating."""
+        row = self.rows[r]
+        request = self.requests[row.request]
+        row.tokens.append(token)
+        row.logprobs.append(logprob)
+        spec = row.spec
+        if token in spec.stop_token_ids or (request.stops and stop_string_hit(self.tokenizer, row.tokens,
+                                                                               request.stops, request.window)):
+            row.reason = "stop"
+        elif len(row.tokens) < spec.max_tokens:
+            return True
+        row.done = True
+        request.open_rows -= 1
+        if request.open_rows == 0:
+            self._finish(row.request)
+        return False
+
+    def _finish(self, handle: int) -> None:
+        request = self.requests[handle]
+        in_step = time.perf_counter() - self._step_started if self._step_started else 0.0
+        self._finished.append(Finished(handle, [self.rows[r] for r in request.rows], request.prompt_info[0],
+                                       request.prompt_info[1], request.prefill_s,
+                                       self._clock + in_step - request.decode_started))
