@@ -26,6 +26,7 @@ from server_mock.api.openai.router import openai_routes
 from server_mock.api.pytrio import PytrioProtocol
 from server_mock.api.tinker.router import tinker_routes
 from server_mock.config import PytrioOptions
+from server_mock.service.recovery import recover
 from server_mock.service.worker import WorkerService
 
 
@@ -41,6 +42,7 @@ def create_app(service: WorkerService, api_keys: list[str] | None = None, *, bin
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
+        app.state.recovered = await recover(service)  # before the first request: what a crash left is taken up
         tasks = [asyncio.create_task(_sweep(service)), asyncio.create_task(pytrio.sweep_forever())]
         try:
             yield
@@ -70,6 +72,8 @@ async def _sweep(service: WorkerService) -> None:
     while True:
         await asyncio.sleep(sweep_every)
         service.requests.sweep()
+        if service.journal is not None:
+            await asyncio.to_thread(service.journal.sweep)
         if loop.time() - last_disk_sweep >= disk_every:
             last_disk_sweep = loop.time()
             await asyncio.to_thread(service.checkpoints.sweep)

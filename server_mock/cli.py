@@ -12,7 +12,7 @@ import warnings
 from pathlib import Path
 
 from pytrio_compat.export import cli as export_cli
-from server_mock.config import Connections, Limits, PytrioOptions, TrainOptions, add_flags, from_args
+from server_mock.config import Connections, Limits, PytrioOptions, StorageOptions, TrainOptions, add_flags, from_args
 from server_mock.errors import WorkerError
 
 FILES_RESERVED = 128  # open files the worker keeps for itself (models, checkpoints, pipes) beside connections
@@ -76,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "(create_sampling_client(model_path=...)); repeatable")
     add_flags(serve.add_argument_group("limits"), Limits)
     add_flags(serve.add_argument_group("connections"), Connections)
+    add_flags(serve.add_argument_group("storage"), StorageOptions)
     add_flags(serve.add_argument_group("forward/backward"), TrainOptions)
     add_flags(serve.add_argument_group("PyTRIO protocol (the official pytrio SDK; docs/pytrio.md)"), PytrioOptions)
     ray = serve.add_argument_group("Ray cluster (pip install -e .[worker,cluster]; docs/scaling.md)")
@@ -195,6 +196,7 @@ def serve(args: argparse.Namespace) -> None:
         limits, train_options = from_args(Limits, args), from_args(TrainOptions, args)
         connections = from_args(Connections, args)
         pytrio_options = from_args(PytrioOptions, args)
+        storage_options = from_args(StorageOptions, args)
     except ValueError as exc:
         sys.exit(str(exc))
     problem = check_limits(limits)
@@ -212,7 +214,7 @@ def serve(args: argparse.Namespace) -> None:
                             lazy_models=args.lazy_models, limits=limits, result_ttl=args.result_ttl,
                             allow_adapter_dirs=args.allow_adapter_dir,
                             train_options=train_options, cluster=cluster, tokenizer_ids=dict(args.tokenizer_id),
-                            lazy_allow=args.lazy_model_allow)
+                            lazy_allow=args.lazy_model_allow, storage_options=storage_options)
     if service.fault_injection:
         logging.getLogger("server_mock").warning("fault injection is ON (PYTRIO_WORKER_FAULT_INJECTION): requests "
                                                  "may ask to fail on purpose; never use this in production")

@@ -142,6 +142,19 @@ class PytrioOptions:
 
 
 @dataclass
+class StorageOptions:
+    """What ``--storage`` keeps beyond checkpoints (docs/reliability.md, "The worker restarts")."""
+
+    durability: str = setting("full", "full: runs, their ops, samplers, snapshots and results are recorded under "
+                                      "--storage before they are acknowledged, and a restarted worker carries on "
+                                      "from them; checkpoint-only: only saved checkpoints survive a restart",
+                              choices={"full": "full", "checkpoint-only": "checkpoint-only"})
+    max_storage_bytes_per_tenant: int = setting(0, "bytes one API key's checkpoints may hold under --storage; a "
+                                                   "save past it is refused (507) before anything is written; 0: "
+                                                   "no limit", minimum=0, why="0: no limit")
+
+
+@dataclass
 class Connections:
     """What the HTTP server grants one connection: time to send a request, and room among the others."""
 

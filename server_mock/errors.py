@@ -18,3 +18,17 @@ def bad_request(field: str, message: str, code: str = "invalid_request") -> Work
 
 def not_found(what: str, ident: str) -> WorkerError:
     return WorkerError(404, f"{what}_not_found", f"unknown {what.replace('_', ' ')}: {ident}")
+
+
+def storage_error(what: str, exc: BaseException) -> WorkerError:
+    """A write to ``--storage`` that failed (a full disk, a read-only file system): 507, nothing half written kept.
+    A ``WorkerError`` (a budget refused before writing) passes as it is."""
+    if isinstance(exc, WorkerError):
+        return exc
+    import errno
+
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return WorkerError(507, "storage_full", f"{what}: the disk under --storage is full ({exc}); nothing was "
+                                                "changed: free space and retry")
+    return WorkerError(507, "storage_failed", f"{what}: writing to --storage failed: {type(exc).__name__}: {exc}; "
+                                              "nothing was changed")

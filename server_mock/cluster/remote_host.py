@@ -43,6 +43,7 @@ class RemoteAdapter:
     group: TrainerGroup
     optim_steps: int = 0
     params: dict = field(default_factory=dict)  # none here (fault injection hooks have nothing to wrap)
+    version: int = 0  # bumped whenever the weights change, as lora.Adapter's (the journal records it)
 
 
 class ReplicaQueue(ModelQueue):
@@ -214,6 +215,7 @@ class RemoteModelHost(ModelFacts):
         values = self._on_group(adapter, lambda g: g.call_all("optim_step", adapter.adapter_id, adam.model_dump()))
         raise_refusals(values)
         adapter.optim_steps = int(values[0]["step"])
+        adapter.version += 1
         return values[0]
 
     def adapter_weights(self, adapter: RemoteAdapter) -> dict[str, torch.Tensor]:
@@ -227,6 +229,7 @@ class RemoteModelHost(ModelFacts):
 
         ref = ray.put(tensors)  # once, read by every rank
         raise_refusals(self._on_group(adapter, lambda g: g.call_all("load_adapter_weights", adapter.adapter_id, ref)))
+        adapter.version += 1
 
     def load_optimizer_state(self, adapter: RemoteAdapter, state: dict[str, torch.Tensor] | None) -> None:
         import ray

@@ -15,7 +15,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from server_mock.errors import WorkerError
+from server_mock.errors import WorkerError, storage_error
 
 logger = logging.getLogger("server_mock")
 
@@ -44,6 +44,10 @@ class Job:
     encode: Callable[[dict], dict] | None = None
     # Called on the event loop once the job has finished (the request store counts what its result holds).
     on_finish: Callable[[Job], None] | None = None
+    # Called on the model's thread with the result or error before the job is marked finished (the durable
+    # journal records it there, so a client never sees a finished request that a crash could lose); an
+    # exception from it fails the job with that error instead.
+    on_result: Callable[[Job, dict | None, WorkerError | None], None] | None = None
 
 
 class Decoding(Protocol):
@@ -346,9 +350,18 @@ class ModelQueue:
             # where the time went, per request: waiting for the model, then running on it
             result["metrics"]["time/queue"] = (job.started or job.finished) - job.created
             result["metrics"]["time/run"] = job.finished - (job.started or job.finished)
+        if job.on_result is not None:
+            try:
+                job.on_result(job, result, error)
+            except WorkerError as exc:
+                result, error = None, exc
+            except Exception as exc:  # noqa: BLE001 - the disk refused the result: this request fails, clearly
+                logger.error("recording the result of %s (%s) failed: %s", job.request_id, job.kind, exc)
+                result, error = None, storage_error(f"{job.kind} ran, but recording its result", exc)
         job.result, job.error = result, error
         job.status = "failed" if error is not None else "succeeded"
         job.fn, job.payload, job.batch_fn, job.encode = _done, None, None, None  # drop request tensors
+        job.on_result = None
         job.open_decode = None
         if job.done is not None:
             self.loop.call_soon_threadsafe(_announce, job)
@@ -364,7 +377,7 @@ def _done() -> dict:
     return {}
 
 
-SERVER_ERROR_CODES = {"internal_error", "out_of_memory"}
+SERVER_ERROR_CODES = {"internal_error", "out_of_memory", "storage_full", "storage_failed"}
 
 
 async def job_result(job: Job, convert: Callable[[dict], Any] | None = None) -> Any:
@@ -376,7 +389,8 @@ async def job_result(job: Job, convert: Callable[[dict], Any] | None = None) -> 
         err = job.error
         if err is None:
             raise WorkerError(500, "internal_error", f"{job.kind} failed")
-        raise WorkerError(500 if err.code in SERVER_ERROR_CODES else 400, err.code, err.message, err.field)
+        status = 500 if err.code in SERVER_ERROR_CODES else 507 if err.status == 507 else 400
+        raise WorkerError(status, err.code, err.message, err.field)
     result = job.result or {}
     if convert is None:
         return result

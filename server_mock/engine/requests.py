@@ -10,6 +10,7 @@ from collections import OrderedDict
 from typing import Any, Callable
 
 from server_mock.engine.queue import Job
+from server_mock.errors import WorkerError
 
 DROPPED_REMEMBERED = 4096  # ids of results dropped for bytes, remembered to say why they are gone
 
@@ -27,12 +28,25 @@ class RequestStore:
         self._held_bytes: dict[str, int] = {}
         self._dropped: OrderedDict[str, str] = OrderedDict()  # request id -> owner
 
-    def new_job(self, kind: str, fn: Callable[[], dict], owner: str = "") -> Job:
-        job = Job(request_id=f"req-{uuid.uuid4().hex}", kind=kind, fn=fn, owner=owner, done=asyncio.Event())
+    def new_job(self, kind: str, fn: Callable[[], dict], owner: str = "", request_id: str | None = None) -> Job:
+        """A job for a new request (``request_id``: one accepted before a restart, queued again under its id)."""
+        job = Job(request_id=request_id or f"req-{uuid.uuid4().hex}", kind=kind, fn=fn, owner=owner,
+                  done=asyncio.Event())
         job.on_finish = self._finished
         self._jobs[job.request_id] = job
         self._unfinished[job.request_id] = job
         return job
+
+    def restore(self, request_id: str, owner: str, kind: str, result: dict | None, error: WorkerError | None,
+                finished_ago: float) -> None:
+        """A request that finished before a restart (``finished_ago`` seconds ago), answered to polls again."""
+        now = time.monotonic()
+        job = Job(request_id=request_id, kind=kind, fn=lambda: {}, owner=owner, done=asyncio.Event(),
+                  status="failed" if error is not None else "succeeded", result=result, error=error,
+                  created=now - finished_ago, started=now - finished_ago, finished=now - max(0.0, finished_ago))
+        job.done.set()
+        self._jobs[request_id] = job
+        self._finished(job)
 
     def get(self, request_id: str, owner: str | None = None) -> Job | None:
         job = self._jobs.get(request_id)
@@ -42,6 +56,11 @@ class RequestStore:
             self._forget(request_id)
             return None
         return job
+
+    def discard(self, request_id: str) -> None:
+        """Forget a request that was never accepted (its acceptance could not be recorded)."""
+        self._unfinished.pop(request_id, None)
+        self._jobs.pop(request_id, None)
 
     def why_gone(self, request_id: str, owner: str) -> str:
         """Why an unknown request of ``owner`` may be unknown, for the 404."""

@@ -15,8 +15,9 @@ from pathlib import Path
 
 from pytrio_compat.wire import CheckpointConfig, CheckpointEntry, CheckpointList, LoraSpec, SaveOp
 from server_mock.engine.host import ModelHost
-from server_mock.errors import WorkerError, bad_request, not_found
+from server_mock.errors import WorkerError, bad_request, not_found, storage_error
 from server_mock.lora import Snapshot
+from server_mock.service.journal import Journal
 from server_mock.service.quotas import TenantLRU
 from server_mock.storage.archive import MARKER, Archives
 from server_mock.storage.checkpoints import NAME_RE, RUN_RE, CheckpointRef, CheckpointStore, expires_at, parse_path
@@ -33,8 +34,11 @@ def checkpoint_id(path: str) -> str:
 
 class Checkpoints:
     def __init__(self, store: CheckpointStore, snapshots: TenantLRU[tuple[str, Snapshot]],
+                 journal: Journal | None = None, max_bytes_per_tenant: int = 0,
                  archives: Archives | None = None) -> None:
         self.store = store
+        self.max_bytes_per_tenant = max_bytes_per_tenant  # --max-storage-bytes-per-tenant (0: no limit)
+        self.journal = journal  # --durability full: in-memory snapshots written there too (service/journal.py)
         self.snapshots = snapshots  # sampler path -> (base model, weights) kept in memory, per tenant
         self.archives = archives or Archives(store, max_builds=2)
         # expiry time of the saved checkpoints held in ``snapshots``: a sampler reading one stops at its expiry
@@ -54,6 +58,12 @@ class Checkpoints:
         if when is not None and when <= time.time():
             self.snapshots.pop(path)
             self.snapshot_expiry.pop(path, None)
+
+    def put_snapshot(self, path: str, tenant: str, base_model: str, snap: Snapshot) -> None:
+        """Keep an in-memory snapshot (the tenant's least recently used one goes when over its quota)."""
+        for evicted in self.snapshots.put(path, tenant, (base_model, snap)):
+            if self.journal is not None:
+                self.journal.snapshot_dropped(evicted)
 
     def owned_ref(self, path: str, tenant: str, field_name: str) -> CheckpointRef:
         """The checkpoint (on disk or an in-memory snapshot) at ``path`` if it is this tenant's; else 404.
@@ -161,7 +171,12 @@ class Checkpoints:
         ref = CheckpointRef(run.run_id, kind, op.name)
         if kind == "sampler" and op.ephemeral:
             snap = host.snapshot(adapter)
-            self.snapshots.put(ref.path, run.tenant, (run.base_model, snap))
+            if self.journal is not None:
+                try:
+                    self.journal.snapshot_saved(ref.path, run.tenant, run.base_model, snap)
+                except Exception as exc:  # noqa: BLE001 - a full disk: no snapshot
+                    raise storage_error(op.op, exc) from exc
+            self.put_snapshot(ref.path, run.tenant, run.base_model, snap)
             size = sum(t.numel() * t.element_size() for t in snap.tensors.values())
             return {"path": ref.path, "size": size, "model": run.base_model}
         meta = {"base_model": run.base_model, "lora": run.spec.model_dump(), "tenant": run.tenant,
@@ -173,10 +188,27 @@ class Checkpoints:
         if kind == "state":
             tensors["optimizer.safetensors"] = host.optimizer_state(adapter)
         files = {"adapter_config.json": host.peft_adapter_config(run.spec)}
-        size = self.store.write(ref, meta, tensors, files, overwrite=op.overwrite)
+        self._check_budget(run.tenant, ref, tensors)
+        try:
+            size = self.store.write(ref, meta, tensors, files, overwrite=op.overwrite)
+        except OSError as exc:  # a full disk: the temporary folder is gone, no checkpoint half written
+            raise storage_error(op.op, exc) from exc
         if kind == "sampler":
             self.snapshots.pop(ref.path)  # a re-save must not serve the old weights
         return {"path": ref.path, "size": size, "model": run.base_model}
+
+    def _check_budget(self, tenant: str, ref: CheckpointRef, tensors: dict) -> None:
+        """Refuse a save that would take the tenant's checkpoints past --max-storage-bytes-per-tenant, before any
+        byte is written (a checkpoint it overwrites is not counted)."""
+        if not self.max_bytes_per_tenant:
+            return
+        new = sum(t.numel() * t.element_size() for state in tensors.values() for t in state.values())
+        used = sum(size for other, _, size in self.records(tenant) if other.path != ref.path)
+        if used + new > self.max_bytes_per_tenant:
+            raise WorkerError(507, "storage_budget_exceeded",
+                              f"this API key's checkpoints hold {used} bytes and this one needs about {new} more, past "
+                              f"max_storage_bytes_per_tenant={self.max_bytes_per_tenant}: delete checkpoints (or "
+                              "give them a ttl_seconds) or raise --max-storage-bytes-per-tenant")
 
     def save_export(self, run, host: ModelHost, name: str, ttl_seconds: int | None, layout: ExportLayout,
                     recipients: list) -> dict:
@@ -193,6 +225,7 @@ class Checkpoints:
                 "optim_steps": run.adapter.optim_steps, "ttl_seconds": ttl_seconds, "encrypted": bool(recipients),
                 "run_user_metadata": getattr(run, "user_metadata", None)}
         seal = (lambda folder: encrypt_folder(folder, recipients)) if recipients else None
+        self._check_budget(run.tenant, ref, {"adapter_model.safetensors": tensors})
         size = self.store.write(ref, meta, {"adapter_model.safetensors": tensors},
                                 {"adapter_config.json": json.dumps(config, indent=1), MARKER: ""}, seal=seal)
         return {"run_id": run.run_id, "name": name, "size": size}

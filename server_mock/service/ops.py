@@ -21,6 +21,7 @@ from server_mock.config import Limits
 from server_mock.engine.host import ModelHost
 from server_mock.errors import bad_request
 from server_mock.service.validation import validate_rows
+from server_mock.storage import crash_points
 from server_mock.training import faults, losses
 
 DATUM_OVERHEAD_BYTES = 256  # counted per datum on top of its arrays
@@ -47,11 +48,13 @@ class ForwardBatch:
 
 @dataclass
 class PreparedOp:
-    """An op ready for the model's thread: ``work()`` computes its result; ``nbytes`` is what it holds."""
+    """An op ready for the model's thread: ``work()`` computes its result; ``nbytes`` is what it holds; ``record``
+    is what the durable journal keeps to run it again after a restart (``Runs.from_record``)."""
 
     kind: str
     work: Callable[[], dict]
     nbytes: int = 0
+    record: dict | None = None
 
 
 def prepare_forward(batch: ForwardBatch, host: ModelHost, adapter, limits: Limits,
@@ -71,10 +74,25 @@ def prepare_forward(batch: ForwardBatch, host: ModelHost, adapter, limits: Limit
     def run_forward() -> dict:
         with faults.injected(fault, list(adapter.params.values())):
             out = host.forward_backward(adapter, data, loss_fn, config, batch.backward, batch.loss_scale)
+        if batch.backward:
+            crash_points.reached("forward_backward")  # (kill tests) the gradients accumulated, nothing answered
         return {"loss_fn_outputs": out["outputs"], "metrics": out["metrics"]}
 
     nbytes = sum(DATUM_OVERHEAD_BYTES + sum(_held_bytes(value) for value in row.values()) for row in data)
-    return PreparedOp(batch.kind, run_forward, nbytes)
+    return PreparedOp(batch.kind, run_forward, nbytes, _record(batch, loss_fn, data))
+
+
+def _record(batch: ForwardBatch, loss_fn: str, data: list) -> dict:
+    """What the journal keeps to run the op again: the checked rows of a text batch; for a batch with images, the
+    rows as the client sent them with its image chunks (checking expands them again, the same way)."""
+    record = {"op": "forward", "loss_fn": loss_fn, "backward": batch.backward,
+              "loss_fn_config": dict(batch.loss_fn_config), "loss_scale": batch.loss_scale}
+    if batch.images is None or not any(batch.images):
+        return {**record, "data": data}
+    rows = [{name: np.asarray(row[name]) for name in row} for row in batch.data]
+    images = [None if chunks is None else [chunk.model_dump(mode="json") for chunk in chunks]
+              for chunks in batch.images]
+    return {**record, "data": rows, "images": images}
 
 
 def _held_bytes(value) -> int:

@@ -8,25 +8,44 @@ itself (Tinker's per-model gate) hands them over with ``seq_id=None``: next in o
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pytrio_compat.wire import CreateTrainingRun, LoadOp, LoraSpec, OptimStepOp, SaveOp
+from pytrio_compat.wire import CreateTrainingRun, LoadOp, LoraSpec, OptimStepOp, SaveOp, WireImage
 from server_mock.config import Limits
 from server_mock.engine.queue import Job
 from server_mock.engine.requests import RequestStore, run_id
-from server_mock.errors import WorkerError, bad_request, not_found
+from server_mock.errors import WorkerError, bad_request, not_found, storage_error
 from server_mock.service.checkpoints import Checkpoints
 from server_mock.service.models import Models
 from server_mock.service.ops import ForwardBatch, PreparedOp, prepare_forward
 from server_mock.lora import BYTES_PER_TRAINED_PARAM, adapter_parameters
 from server_mock.service.quotas import ByteBudget, check_queued
 from server_mock.service.validation import check_adam
+from server_mock.service.journal import STATE_OPS, Journal, OpRow, RunRow, to_torch
+from server_mock.storage import crash_points, records
 from server_mock.storage.checkpoints import check_name
 
+logger = logging.getLogger("server_mock")
 RUN_ID_RE = re.compile(r"^run-[0-9a-f]{16,32}\Z")
+
+# Front ends' conversions of an op's result to their wire form, by name: an op queued again after a restart is
+# encoded as its front end asked when it was accepted (register one with ``wire_encoder``).
+ENCODERS: dict[str, Callable[[dict], dict]] = {}
+
+
+def wire_encoder(fn: Callable[[dict], dict]) -> Callable[[dict], dict]:
+    ENCODERS[f"{fn.__module__}.{fn.__qualname__}"] = fn
+    return fn
+
+
+def _encoder_name(fn: Callable | None) -> str | None:
+    """The registered name of ``fn`` (None: not registered; a result queued again is then left as it is)."""
+    name = f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', '')}"
+    return name if fn is not None and ENCODERS.get(name) is fn else None
 
 
 @dataclass
@@ -40,6 +59,12 @@ class TrainingRun:
     last_seq: int = 0
     seqs: dict[int, tuple[str, str]] = field(default_factory=dict)  # seq_id -> (request_id, body hash)
     admitting: asyncio.Lock = field(default_factory=asyncio.Lock)  # ops from the network, one at a time
+
+
+def _raiser(exc: WorkerError) -> Callable[[], dict]:
+    def fail() -> dict:
+        raise exc
+    return fail
 
 
 @dataclass(frozen=True)
@@ -56,8 +81,9 @@ Op = ForwardBatch | OptimStepOp | SaveOp | LoadOp
 
 class Runs:
     def __init__(self, models: Models, requests: RequestStore, checkpoints: Checkpoints, limits: Limits,
-                 fault_injection: bool, memory: ByteBudget | None = None) -> None:
+                 fault_injection: bool, memory: ByteBudget | None = None, journal: Journal | None = None) -> None:
         self.models = models
+        self.journal = journal  # --durability full: runs, ops and results recorded (service/journal.py)
         self.requests = requests
         self.checkpoints = checkpoints
         self.limits = limits
@@ -140,6 +166,14 @@ class Runs:
                 except BaseException:
                     host.drop_adapter(new_id)
                     raise
+            if self.journal is not None:
+                try:
+                    self.journal.run_created(new_id, tenant, base_model,
+                                             spec.model_copy(update={"seed": adapter.seed}).model_dump_json(),
+                                             host, adapter)
+                except BaseException as exc:
+                    host.drop_adapter(new_id)
+                    raise storage_error("create_training_run", exc) from exc
             made.append(adapter)
             return {"seed": adapter.seed}
 
@@ -147,6 +181,66 @@ class Runs:
         stored_spec = spec.model_copy(update={"seed": result["seed"]})
         run = TrainingRun(new_id, tenant, base_model, stored_spec, made[0])
         self._runs[new_id] = run
+        return run
+
+    async def restore(self, row: RunRow, ops: list[OpRow]) -> TrainingRun | None:
+        """A run recorded before a restart: its adapter from its newest whole state file, the forward_backward ops
+        acknowledged after that state run again (their gradients are pending), and the ops not yet finished queued
+        again under their request ids. None (logged) when no state file of it is whole."""
+        loaded = self.journal.read_state(row)
+        if loaded is None:
+            logger.error("run %s cannot be restored: none of its state files is whole", row.run_id)
+            return None
+        state_seq, state = loaded
+        spec = LoraSpec.model_validate_json(row.spec)
+        host = await self.models.host(row.base_model)
+        self.memory.take(row.run_id, row.tenant, await self.adapter_bytes(row.base_model, spec, row.tenant),
+                         f"a rank-{spec.rank} adapter on {row.base_model} (restored)")
+        made: list = []
+
+        def build() -> dict:
+            adapter = host.create_adapter(row.run_id, spec)
+            host.load_adapter_weights(adapter, to_torch(state["weights"]))
+            host.load_optimizer_state(adapter, to_torch(state["optimizer"]))
+            adapter.version = int(state["version"]) + 1
+            made.append(adapter)
+            return {}
+
+        await self.models.run_on_model(row.base_model, "restore_training_run", build, row.tenant)
+        run = TrainingRun(row.run_id, row.tenant, row.base_model, spec, made[0],
+                          user_metadata=row.meta.get("user_metadata"))
+        run.seqs = {op.seq: (op.request_id, op.body_hash) for op in ops}
+        run.last_seq = max(run.seqs, default=0)
+        self._runs[run.run_id] = run
+        queue = self.models.queue(run.base_model)
+        for op in ops:
+            if op.seq <= state_seq:
+                continue
+            if op.payload is None and op.kind not in ("forward_backward", *STATE_OPS):
+                # an op that leaves the weights as they are and is not journaled to run again (an export)
+                if not op.done:
+                    self.requests.restore(op.request_id, run.tenant, op.kind, None, WorkerError(
+                        503, "interrupted", f"{op.kind}: the worker restarted while it ran; call it again"), 0.0)
+                continue
+            if op.payload is None:
+                logger.error("run %s: op %d has no payload to run again; the run continues from seq_id %d",
+                             run.run_id, op.seq, state_seq)
+                break
+            record = records.unpack(op.payload)
+            if record["op"] == "SaveOp" and not op.done:  # it may have been written before the crash: again
+                record["body"]["overwrite"] = True
+            try:
+                prepared = self.from_record(run, record)
+            except WorkerError as exc:  # e.g. a checkpoint to load that is gone now
+                prepared = PreparedOp(op.kind, _raiser(exc))
+            if op.done:  # its result is recorded: run it again only for the state it leaves
+                if op.kind in ("forward_backward", *STATE_OPS):
+                    queue.put(Job(f"replay-{op.request_id}", op.kind, prepared.work, owner=run.tenant))
+                continue
+            job = self.requests.new_job(prepared.kind, prepared.work, run.tenant, request_id=op.request_id)
+            job.encode = ENCODERS.get(record.get("encode") or "")
+            job.on_result = self._recorder(run, op.seq, prepared.kind)
+            queue.put(job)
         return run
 
     def owned(self, tenant: str) -> list[TrainingRun]:
@@ -164,6 +258,8 @@ class Runs:
         host = self.models.loaded(run.base_model)
         del self._runs[training_run_id]
         self.memory.give_back(training_run_id)
+        if self.journal is not None:
+            await asyncio.to_thread(self.journal.run_deleted, training_run_id)
         # in the tenant's lane, so it runs after the run's ops already queued there
         await self.models.run_on_model(run.base_model, "delete_training_run",
                                        lambda: host.drop_adapter(run.run_id) or {}, tenant)
@@ -175,21 +271,42 @@ class Runs:
         adapter = run.adapter
         if isinstance(op, ForwardBatch):
             return prepare_forward(op, host, adapter, self.limits, self.fault_injection)
+        record = {"op": type(op).__name__, "body": op.model_dump(mode="json")} if not isinstance(op, ForwardBatch) \
+            else None
         if isinstance(op, OptimStepOp):
             adam = check_adam(op.adam_params)
-            return PreparedOp("optim_step", lambda: {"metrics": host.optim_step(adapter, adam)})
+
+            def step() -> dict:
+                crash_points.reached("optim_step")
+                return {"metrics": host.optim_step(adapter, adam)}
+
+            return PreparedOp("optim_step", step, record=record)
         if isinstance(op, SaveOp):
             check_name(op.name)
             if op.ttl_seconds is not None and op.ttl_seconds <= 0:
                 raise bad_request("ttl_seconds", "must be positive or null")
-            return PreparedOp(op.op, lambda: self.checkpoints.save(run, host, op))
+            return PreparedOp(op.op, lambda: self.checkpoints.save(run, host, op), record=record)
         if isinstance(op, LoadOp):
             ref = self.checkpoints.owned_ref(op.path, run.tenant, "path")  # reads only the small metadata file
             if ref.kind != "state":
                 raise bad_request("path", "load_state needs a save_state checkpoint, not sampler weights")
             self.checkpoints.check_compatible(run, self.checkpoints.store.read_meta(ref))
-            return PreparedOp("load_state", lambda: self.checkpoints.load(run, host, ref, op.load_optimizer))
+            return PreparedOp("load_state", lambda: self.checkpoints.load(run, host, ref, op.load_optimizer),
+                              record=record)
         raise bad_request("payload.op", "unknown operation")
+
+    def from_record(self, run: TrainingRun, record: dict) -> PreparedOp:
+        """An op accepted before a restart, made ready again from what the journal kept (``PreparedOp.record``)."""
+        kind = record["op"]
+        if kind == "forward":
+            images = record.get("images")
+            if images is not None:
+                images = [None if chunks is None else [WireImage.model_validate(c) for c in chunks]
+                          for chunks in images]
+            return self.prepare(run, ForwardBatch(record["loss_fn"], record["data"], record["backward"],
+                                                  record["loss_fn_config"], record["loss_scale"], images))
+        model = {"OptimStepOp": OptimStepOp, "SaveOp": SaveOp, "LoadOp": LoadOp}[kind]
+        return self.prepare(run, model.model_validate(record["body"]))
 
     def export_op(self, training_run_id: str, tenant: str, name: str, ttl_seconds: int | None, layout,
                   recipients: list) -> PreparedOp:
@@ -202,13 +319,15 @@ class Runs:
                           lambda: self.checkpoints.save_export(run, host, name, ttl_seconds, layout, recipients))
 
     def submit(self, training_run_id: str, work: PreparedOp | BaseException | Op, tenant: str, *,
-               seq_id: int | None, body_hash: str = "", encode: Callable[[dict], dict] | None = None) -> Admission:
+               seq_id: int | None, body_hash: str = "", encode: Callable[[dict], dict] | None = None,
+               request_id: str | None = None, front: dict | None = None) -> Admission:
         """Accept one op of a run: ``seq_id`` must be the next one (a resent seq_id with the same body hash
         answers the original request; None: the next in order, for front ends that order ops themselves).
 
         ``work`` is the op, its ``PreparedOp``, or the error preparing it gave: the seq_id and queue checks come
         first, and preparing (or its error) only counts for an op they let in. ``encode`` converts the result to
-        the caller's wire form on the model thread."""
+        the caller's wire form on the model thread. ``request_id``: the id a front end chose for the request (unused
+        so far); ``front``: its own fields, journaled with the op (``OpRow.front`` after a restart)."""
         run = self.get(training_run_id, tenant)
         if seq_id is None:
             seq_id = run.last_seq + 1
@@ -225,14 +344,33 @@ class Runs:
         if isinstance(work, BaseException):
             raise work
         prepared = work if isinstance(work, PreparedOp) else self.prepare(run, work)
-        job = self.requests.new_job(prepared.kind, prepared.work, tenant)
+        job = self.requests.new_job(prepared.kind, prepared.work, tenant, request_id=request_id)
         job.encode = encode
+        if self.journal is not None:
+            record = None if prepared.record is None else {**prepared.record, "encode": _encoder_name(encode)}
+            try:
+                self.journal.op_accepted(run.run_id, seq_id, job.request_id, prepared.kind, body_hash, record, front)
+            except Exception as exc:  # noqa: BLE001 - a full disk: the op is refused, nothing changed
+                self.requests.discard(job.request_id)
+                raise storage_error(prepared.kind, exc) from exc
+            job.on_result = self._recorder(run, seq_id, prepared.kind)
         run.last_seq = seq_id
         run.seqs[seq_id] = (job.request_id, body_hash)
         if len(run.seqs) > 4096:
             run.seqs.pop(min(run.seqs))
         self.models.queue(run.base_model).put(job)
         return Admission(job.request_id, job)
+
+    def _recorder(self, run: TrainingRun, seq_id: int, kind: str) -> Callable:
+        """What records an op's result on the model's thread (with the run's new state after optim_step and
+        load_state), before the op is marked finished."""
+        host = self.models.loaded(run.base_model)
+
+        def record(job: Job, result: dict | None, error) -> None:
+            changed = error is None and kind in STATE_OPS and run.run_id in self._runs
+            self.journal.op_finished(run.run_id, seq_id, job, result, error, host, run.adapter if changed else None)
+
+        return record
 
     async def submit_off_loop(self, training_run_id: str, tenant: str, seq_id: int,
                               prepare: Callable[[TrainingRun], tuple[str, PreparedOp | BaseException | Op]],

@@ -18,14 +18,15 @@ from server_mock.config import Limits
 from server_mock.engine.host import ModelHost
 from server_mock.engine.queue import Job
 from server_mock.engine.requests import RequestStore, run_id
-from server_mock.errors import WorkerError, bad_request, not_found
+from server_mock.errors import WorkerError, bad_request, not_found, storage_error
 from server_mock.lora import Layer, Snapshot, adapter_keys, align_adapter_keys
 from server_mock.sampling.generate import SampleSpec
 from server_mock.service.checkpoints import Checkpoints
+from server_mock.service.journal import Journal
 from server_mock.service.models import Models
 from server_mock.service.quotas import TenantLRU, check_queued
 from server_mock.service.validation import validate_sample
-from server_mock.storage import peft_folders
+from server_mock.storage import crash_points, peft_folders
 from server_mock.storage.checkpoints import parse_path
 
 
@@ -40,8 +41,9 @@ class Sampler:
 class Samplers:
     def __init__(self, models: Models, requests: RequestStore, checkpoints: Checkpoints, limits: Limits,
                  allow_adapter_dirs: list[str] | None = None,
-                 dropped: Callable[[str], None] | None = None) -> None:
+                 dropped: Callable[[str], None] | None = None, journal: Journal | None = None) -> None:
         self.models = models
+        self.journal = journal  # --durability full: samplers and sample requests recorded (service/journal.py)
         self.requests = requests
         self.checkpoints = checkpoints
         self.limits = limits
@@ -53,7 +55,9 @@ class Samplers:
         self._layouts: dict[str, dict[str, Layer]] = {}
         self._dropped = dropped  # told the id of each sampler the cache drops (its records go with it)
 
-    async def create(self, body: CreateSampler, tenant: str) -> Sampler:
+    async def create(self, body: CreateSampler, tenant: str, new_id: str | None = None) -> Sampler:
+        """A sampler on ``body``'s weights (``new_id``: its id, chosen by a front end that derives it from a request of
+        its own, so that making it again after a restart gives the same one)."""
         base_model = body.base_model
         if body.model_path and peft_folders.is_local_path(body.model_path):
             return await self._create_local(body, tenant)
@@ -70,13 +74,29 @@ class Samplers:
         if not base_model:
             raise bad_request("base_model", "required when model_path is not given")
         await self.models.host(base_model)
-        return self._add(Sampler(run_id("sampler"), tenant, base_model, body.model_path))
+        return self._add(Sampler(new_id or run_id("sampler"), tenant, base_model, body.model_path))
 
-    def _add(self, sampler: Sampler) -> Sampler:
+    def _add(self, sampler: Sampler, record: bool = True) -> Sampler:
+        if self.journal is not None and record:
+            try:
+                self.journal.sampler_created(sampler.sampler_id, sampler.tenant, sampler.base_model,
+                                             sampler.model_path)
+            except Exception as exc:  # noqa: BLE001 - a full disk: no sampler
+                raise storage_error("create_sampler", exc) from exc
         evicted = self._samplers.put(sampler.sampler_id, sampler.tenant, sampler)  # this tenant's least recently used
-        for sampler_id in evicted if self._dropped else ():
-            self._dropped(sampler_id)
+        for sampler_id in evicted:
+            if self._dropped:
+                self._dropped(sampler_id)
+            if self.journal is not None:
+                self.journal.sampler_dropped(sampler_id)
         return sampler
+
+    async def restore(self, sampler_id: str, tenant: str, base_model: str, model_path: str | None) -> None:
+        """A sampler recorded before a restart (its weights are found as when it was created)."""
+        await self.models.host(base_model)
+        if model_path and peft_folders.is_local_path(model_path):
+            self._layouts[base_model] = await self.models.lora_layout(base_model, tenant)
+        self._add(Sampler(sampler_id, tenant, base_model, model_path), record=False)
 
     async def _create_local(self, body: CreateSampler, tenant: str) -> Sampler:
         folder = peft_folders.resolve(body.model_path, self.allow_adapter_dirs)
@@ -106,6 +126,8 @@ class Samplers:
         """Forget a sampler (a front end whose clients never close theirs releases them); its weights stay."""
         if self._samplers.owner(sampler_id) == tenant:
             self._samplers.pop(sampler_id)
+            if self.journal is not None:
+                self.journal.sampler_dropped(sampler_id)
 
     def get(self, sampler_id: str, tenant: str) -> Sampler:
         sampler = self._samplers.get(sampler_id)
@@ -149,25 +171,28 @@ class Samplers:
             tensors = align_adapter_keys(tensors, adapter_keys(targets))  # saved on the other layout of a VLM
             snap = Snapshot(hashlib.sha256(ref.path.encode()).hexdigest()[:16], spec, targets, tensors)
             self.checkpoints.remember_expiry(sampler.model_path, meta)
-            snapshots.put(sampler.model_path, sampler.tenant, (sampler.base_model, snap))
+            self.checkpoints.put_snapshot(sampler.model_path, sampler.tenant, sampler.base_model, snap)
             return snap
 
         return f"{sampler.base_model}:disk:{sampler.model_path}", load
 
-    async def submit_async(self, sampler_id: str, request: SampleRequest, tenant: str) -> Job:
+    async def submit_async(self, sampler_id: str, request: SampleRequest, tenant: str, request_id: str | None = None,
+                           front: dict | None = None) -> Job:
         """``submit`` for a front end on the event loop: a prompt with images is decoded and processed in a worker
         thread (a text prompt is checked inline, as before)."""
         if not request.prompt_images:
-            return self.submit(sampler_id, request, tenant)
+            return self.submit(sampler_id, request, tenant, request_id=request_id, front=front)
         sampler = self.get(sampler_id, tenant)
         check_queued(self.requests, tenant, self.limits.max_queued_requests)
         host = self.models.loaded(sampler.base_model)
         spec = await asyncio.to_thread(validate_sample, request, host, self.limits)
-        return self.submit(sampler_id, request, tenant, spec)
+        return self.submit(sampler_id, request, tenant, spec, request_id=request_id, front=front)
 
-    def submit(self, sampler_id: str, request: SampleRequest, tenant: str, spec: SampleSpec | None = None) -> Job:
+    def submit(self, sampler_id: str, request: SampleRequest, tenant: str, spec: SampleSpec | None = None,
+               request_id: str | None = None, requeued: bool = False, front: dict | None = None) -> Job:
         """Queue one sample request; its job's result is a dict (``sample_result``'s form). ``spec``: the request
-        already checked (``validate_sample``)."""
+        already checked (``validate_sample``); ``request_id``: the id a front end chose for it, or (``requeued``)
+        one accepted before a restart, queued again; ``front``: the front end's own fields, journaled with it."""
         sampler = self.get(sampler_id, tenant)
         check_queued(self.requests, tenant, self.limits.max_queued_requests)
         host = self.models.loaded(sampler.base_model)
@@ -180,7 +205,15 @@ class Samplers:
         def run_sample() -> dict:
             return _sample_batch(host, load(), [(spec, return_text)])[0]
 
-        job = self.requests.new_job("sample", run_sample, tenant)
+        job = self.requests.new_job("sample", run_sample, tenant, request_id=request_id)
+        if self.journal is not None:
+            try:
+                if not requeued:
+                    self.journal.sample_accepted(job.request_id, tenant, sampler_id, request.model_dump_json(), front)
+            except Exception as exc:  # noqa: BLE001 - a full disk: the request is refused, nothing queued
+                self.requests.discard(job.request_id)
+                raise storage_error("sample", exc) from exc
+            job.on_result = self._record_result
         job.batch_key = batch_key
         job.payload = (spec, return_text)
         job.batch_fn = lambda payloads: _sample_batch(host, load(), payloads)
@@ -188,6 +221,9 @@ class Samplers:
         job.open_decode = lambda: _SampleDecoding.open(host, load())
         self.models.sampling_queue(sampler.base_model).put(job)
         return job
+
+    def _record_result(self, job: Job, result: dict | None, error) -> None:
+        self.journal.request_finished(job, result, error)
 
 
 class _SampleDecoding:
@@ -215,15 +251,19 @@ class _SampleDecoding:
         return handle
 
     def run(self, stop) -> list[tuple[int, dict]]:
+        finished = self.session.run(stop)
+        if finished:
+            crash_points.reached("sample")  # (kill tests) the tokens generated, nothing answered
         return [(handle, _sample_dicts(self.host, [self.payloads.pop(handle)], [result], timings,
                                        self.session.requests)[0])
-                for handle, result, timings in self.session.run(stop)]
+                for handle, result, timings in finished]
 
 
 def _sample_batch(host: ModelHost, snapshot: Snapshot | None, payloads: list[tuple[SampleSpec, bool]]) -> list[dict]:
     """Run one or more sample requests for the same weights as one decoding batch."""
     timings: dict[str, float] = {}
     results = host.sample_batch(snapshot, [spec for spec, _ in payloads], timings)
+    crash_points.reached("sample")  # (kill tests) the tokens generated, nothing answered
     return _sample_dicts(host, payloads, results, timings, len(payloads))
 
 

@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import torch
 
-from server_mock.config import Limits, TrainOptions
+from server_mock.config import Limits, StorageOptions, TrainOptions
 from server_mock.engine.requests import RequestStore
 from server_mock.service.checkpoints import Checkpoints
+from server_mock.service.journal import Journal
 from server_mock.service.models import Models
 from server_mock.service.quotas import ByteBudget, TenantLRU
 from server_mock.service.runs import Runs
@@ -35,8 +37,12 @@ class WorkerService:
                  lazy_models: bool = False, limits: Limits | None = None, result_ttl: float = 3600.0,
                  allow_adapter_dirs: list[str] | None = None, fault_injection: bool | None = None,
                  train_options: TrainOptions | None = None, cluster=None,
-                 tokenizer_ids: dict[str, str] | None = None, lazy_allow: list[str] | None = None) -> None:
+                 tokenizer_ids: dict[str, str] | None = None, lazy_allow: list[str] | None = None,
+                 storage_options: StorageOptions | None = None) -> None:
         self.limits = limits or Limits()
+        self.storage_options = storage_options or StorageOptions()
+        # --durability full: what is acknowledged is recorded first, and recovered at start (service/recovery.py)
+        self.journal = Journal(storage, result_ttl) if self.storage_options.durability == "full" else None
         self.fault_injection = faults.enabled_by_environment() if fault_injection is None else fault_injection
         self.lazy_models = lazy_models
         self.requests = RequestStore(result_ttl, self.limits.max_result_bytes)
@@ -44,20 +50,25 @@ class WorkerService:
         self.store.build_index()  # which runs are whose: listings then read only the caller's folders
         self.models = Models(models, device, dtype, self.requests, self.limits, train_options or TrainOptions(),
                              lazy=lazy_models, cluster=cluster, tokenizer_ids=tokenizer_ids, lazy_allow=lazy_allow)
-        self.checkpoints = Checkpoints(self.store, TenantLRU(self.limits.max_snapshots),
+        self.checkpoints = Checkpoints(self.store, TenantLRU(self.limits.max_snapshots), self.journal,
+                                       self.storage_options.max_storage_bytes_per_tenant,
                                        Archives(self.store, self.limits.max_archive_builds))
         total = self.limits.max_adapter_bytes_total or device_memory(device) // 2
         self.adapter_memory = ByteBudget(self.limits.max_adapter_bytes or total // 4, total, "lora",
                                          "max_adapter_bytes", "max_adapter_bytes_total")
         self.runs = Runs(self.models, self.requests, self.checkpoints, self.limits, self.fault_injection,
-                         self.adapter_memory)
+                         self.adapter_memory, self.journal)
         self.stability = StabilityRecords(self.limits)  # per-sequence sampling records (stable_reinforce)
         self.samplers = Samplers(self.models, self.requests, self.checkpoints, self.limits, allow_adapter_dirs,
-                                 dropped=self.stability.drop_sampler)
+                                 dropped=self.stability.drop_sampler, journal=self.journal)
+        # front ends' coroutines that rebuild their own state at start, after the service's (service/recovery.py)
+        self.recovery_hooks: list[Callable[[], Awaitable[dict[str, int]]]] = []
         self.started = time.time()
 
     def stop(self) -> None:
         self.models.stop()
+        if self.journal is not None:
+            self.journal.close()
 
 
 def device_memory(device: str) -> int:

@@ -31,6 +31,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from server_mock.errors import WorkerError, bad_request
+from server_mock.storage import crash_points
 
 # anchored with \Z, not $ (which also matches before a trailing newline), so .match and .fullmatch both hold
 NAME_RE = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9_-])?\Z")
@@ -162,6 +163,7 @@ class CheckpointStore:
         try:
             for filename, state in tensors.items():
                 save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(tmp / filename))
+            crash_points.reached("save_state" if meta.get("kind") == "state" else "save_weights")
             for filename, text in files.items():
                 (tmp / filename).write_text(text)
             created = time.time()
@@ -185,6 +187,16 @@ class CheckpointStore:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         return folder_size(final)
+
+    def remove_leftovers(self) -> int:
+        """Delete the temporary and replaced folders a crash left in the middle of a write (never a checkpoint: a
+        write that did not finish was not acknowledged); how many."""
+        removed = 0
+        for folder in self.root.glob("checkpoints/*/*/.*"):
+            if folder.is_dir() and (".tmp-" in folder.name or ".old-" in folder.name):
+                shutil.rmtree(folder, ignore_errors=True)
+                removed += 1
+        return removed
 
     def read_meta(self, ref: CheckpointRef) -> dict:
         meta = self._meta_or_none(ref)

@@ -1,5 +1,6 @@
-"""The client across a worker restart: in-flight calls fail with an error naming their request (never hang),
-new calls reconnect, and an old TrainingClient is told its run is unknown."""
+"""The client across a worker restart. With ``--durability checkpoint-only`` in-flight calls fail with an error naming
+their request (never hang), new calls reconnect, and an old TrainingClient is told its run is unknown; with ``full``
+(the default) the same calls finish after the restart and the old TrainingClient carries on."""
 
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ def restartable(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("PYTRIO_WORKER_FAULT_INJECTION", "1")
     workers = []
 
-    def start(port: int = 0) -> WorkerProcess:
-        workers.append(WorkerProcess(tiny_model_dir, tmp_path / "storage").start(port))
+    def start(port: int = 0, *extra: str) -> WorkerProcess:
+        workers.append(WorkerProcess(tiny_model_dir, tmp_path / "storage", *extra).start(port))
         return workers[-1]
 
     yield start
@@ -31,9 +32,12 @@ def restartable(tiny_model_dir, tmp_path, monkeypatch):
         worker.stop()
 
 
+CHECKPOINT_ONLY = ("--durability", "checkpoint-only")
+
+
 def test_restart_fails_in_flight_calls_clearly_and_new_calls_reconnect(restartable, fast_retries, client_cache,
                                                                       monkeypatch):
-    worker = restartable()
+    worker = restartable(0, *CHECKPOINT_ONLY)
     client = trio.ServiceClient(base_url=worker.base_url)
     try:
         tc = client.create_lora_training_client("tiny", rank=4, seed=1)
@@ -47,7 +51,7 @@ def test_restart_fails_in_flight_calls_clearly_and_new_calls_reconnect(restartab
         worker.kill()
         time.sleep(1.0)  # the client keeps trying to reach the worker meanwhile
         assert not in_flight.done() and not queued.done()
-        worker = restartable(worker.port)
+        worker = restartable(worker.port, *CHECKPOINT_ONLY)
 
         started = time.monotonic()
         with pytest.raises(RequestLostError) as lost_fb:
@@ -88,5 +92,37 @@ def test_restart_fails_in_flight_calls_clearly_and_new_calls_reconnect(restartab
             assert f"waiting for request {err.value.request_id} (forward_backward)" in str(err.value)
         finally:
             impatient.close()
+    finally:
+        client.close()
+
+
+def test_full_durability_finishes_in_flight_calls_and_keeps_the_run(restartable, fast_retries, client_cache):
+    worker = restartable()
+    client = trio.ServiceClient(base_url=worker.base_url)
+    try:
+        tc = client.create_lora_training_client("tiny", rank=4, seed=1)
+        tc.forward_backward([datum()]).result()
+        done_before = tc.optim_step(trio.AdamParams(learning_rate=1e-3))
+        done_before.result()
+        in_flight = tc.forward_backward([datum(1)], loss_fn_config={"fault_injection": {"delay_seconds": 3}})
+        time.sleep(1.0)  # the slow call is on the model's thread
+        sampler = client.create_sampling_client(base_model="tiny")
+        queued = sampler.sample(trio.ModelInput.from_ints([3, 4, 5]), sampling_params=trio.SamplingParams(
+            max_tokens=3, seed=4))
+        time.sleep(0.5)
+        worker.kill()
+        assert not in_flight.done() and not queued.done()
+        worker = restartable(worker.port)
+
+        # the op accepted before the kill runs again after it (the 3 s delay included) under its request id
+        assert in_flight.result(timeout=60).metrics["token_count"] == 19.0
+        assert len(queued.result(timeout=60).sequences[0].tokens) == 3
+        # the run, its seq_ids and the sampler are known: the same clients carry on
+        step = tc.optim_step(trio.AdamParams(learning_rate=1e-3)).result(timeout=30)
+        assert step.metrics["step"] == 2.0
+        again = sampler.sample(trio.ModelInput.from_ints([3, 4, 5]), sampling_params=trio.SamplingParams(
+            max_tokens=3, seed=4)).result(timeout=30)
+        assert again.sequences[0].tokens == queued.result().sequences[0].tokens
+        assert worker.alive()
     finally:
         client.close()

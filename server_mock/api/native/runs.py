@@ -24,7 +24,7 @@ from pytrio_compat.wire import (
 from server_mock.api.native.endpoint import endpoint, service_of
 from server_mock.errors import bad_request
 from server_mock.service.ops import ForwardBatch
-from server_mock.service.runs import TrainingRun
+from server_mock.service.runs import TrainingRun, wire_encoder
 from server_mock.service.worker import WorkerService
 from server_mock.training import losses
 
@@ -82,6 +82,7 @@ def forward_batch(op: ForwardOp) -> ForwardBatch:
                         backward=op.op == "forward_backward", loss_fn_config=op.loss_fn_config, images=images)
 
 
+@wire_encoder
 def encode_forward_result(result: dict) -> dict:
     """A forward result's arrays as wire tensors (on the model's thread, once)."""
     return {"loss_fn_outputs": [{k: WireTensor.from_array(v).model_dump() for k, v in o.items()}

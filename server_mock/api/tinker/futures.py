@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
+import secrets
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,6 +86,11 @@ class Future:
     task: asyncio.Task
     finished: float | None = None  # loop time
     size: int = 0
+    wanted: asyncio.Event | None = None  # a lazy future's work starts when it is first polled
+
+
+BOOT = secrets.token_hex(4)  # this process's mark in its future ids: an id with another one is from before a restart
+_ID_RE = re.compile(r"^tk-(?P<boot>[0-9a-f]{8})[0-9a-f]{32}\Z")
 
 
 class Futures:
@@ -92,7 +99,9 @@ class Futures:
     finished futures hold more than ``max_bytes`` its oldest finished ones are forgotten (the newest stays);
     a forgotten future answers 404."""
 
-    def __init__(self, max_entries: int = 20_000, ttl: float = 3600.0, max_bytes: int = 1 << 30) -> None:
+    def __init__(self, max_entries: int = 20_000, ttl: float = 3600.0, max_bytes: int = 1 << 30,
+                 durable: bool = False) -> None:
+        self.durable = durable  # --durability full: futures are journaled and restored after a restart
         self.max_entries = max_entries
         self.ttl = ttl
         self.max_bytes = max_bytes
@@ -104,7 +113,25 @@ class Futures:
 
     @staticmethod
     def new_id() -> str:
-        return f"tk-{uuid.uuid4().hex}"
+        return f"tk-{BOOT}{uuid.uuid4().hex}"
+
+    def from_before_restart(self, request_id: str) -> bool:
+        """Whether ``request_id`` was given out by an earlier process of this worker (``--durability full``)."""
+        match = _ID_RE.match(request_id) if self.durable else None
+        return match is not None and match["boot"] != BOOT
+
+    def add_lazy(self, tenant: str, make: Callable[[], Awaitable[Any]], request_id: str) -> str:
+        """A future whose work (``make()``) starts when it is first polled: one restored after a restart whose
+        answer makes something (a sampler) that nobody may ask for again."""
+        wanted = asyncio.Event()
+
+        async def when_wanted() -> Any:
+            await wanted.wait()
+            return await make()
+
+        self.add_guarded(tenant, when_wanted(), request_id)
+        self._items[request_id].wanted = wanted
+        return request_id
 
     def add(self, tenant: str, work: Awaitable[Any], request_id: str | None = None) -> str:
         request_id = request_id or self.new_id()
@@ -207,10 +234,18 @@ async def retrieve_future(state, request: Request, tenant: str):
     body, _ = await read(request, schemas.RetrieveFuture, state.json_limit)
     request_id = body.request_id
     future = state.futures.get(request_id, tenant)
+    if future is None and state.futures.from_before_restart(request_id):
+        # accepted before a restart and not recorded (a refused or still-waiting op, or one whose result expired):
+        # 410 makes the tinker SDK send a sample request again; a training future raises it to the script
+        raise WorkerError(410, "request_lost_in_restart", f"request_id: {request_id[:80]!r} was given out before the "
+                                                          "worker restarted and was not recorded; send it again",
+                          "request_id")
     if future is None:
         raise WorkerError(404, "request_not_found", f"request_id: unknown request {request_id[:80]!r} (expired after "
                                                     f"{state.futures.ttl:g} s, dropped for the key's result bytes, "
                                                     "or the worker restarted)", "request_id")
+    if future.wanted is not None:
+        future.wanted.set()
     await asyncio.wait({future.task}, timeout=LONG_POLL_SECONDS)
     if not future.task.done():
         return {"type": "try_again", "request_id": request_id, "queue_state": "active"}

@@ -122,6 +122,14 @@ class SeqGate:
         self._schedule()
         return waiting.request_id
 
+    def restore(self, seq: int, request_id: str, digest: str) -> None:
+        """A seq_id admitted before a restart (journaled with its op): a re-send gets ``request_id`` back, and the
+        next expected seq_id is past it."""
+        self._admitted[seq] = (request_id, digest)
+        while len(self._admitted) > self.keep:
+            self._admitted.popitem(last=False)
+        self.next = max(self.next, seq + 1)
+
     def close(self, reason: str) -> None:
         """Fail every waiting request (its model is gone) and give back what they held."""
         if self._timer is not None:

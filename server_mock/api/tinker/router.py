@@ -16,11 +16,13 @@ plumbing, paths the tinker:// names. The bounds are listed in docs/reliability.m
 
 from __future__ import annotations
 
+import functools
+
 from starlette.requests import Request
 from starlette.routing import Route
 
 from server_mock.api.downloads import Downloads
-from server_mock.api.tinker import rest, sampling, sessions, training, weights
+from server_mock.api.tinker import restart, rest, sampling, sessions, training, weights
 from server_mock.api.tinker.endpoint import JSON, PROTOBUF, endpoint, tenant_of
 from server_mock.api.tinker.export import Export
 from server_mock.api.tinker.futures import retrieve_future
@@ -38,6 +40,8 @@ async def unsupported(state: TinkerState, request: Request, tenant: str):
 
 def tinker_routes(service, auth, downloads: Downloads | None = None) -> list[Route]:
     state = TinkerState(service)
+    if service.journal is not None:  # --durability full: sessions, models, gates and futures come back at start
+        service.recovery_hooks.append(functools.partial(restart.restore, state))
     downloads = downloads or Downloads(service.limits.download_url_seconds)
     downloads.recognize(lambda request: tenant_of(auth, request))
     export = Export(state, downloads)

@@ -16,10 +16,10 @@ from starlette.requests import Request
 from pytrio_compat.wire import ImageChunk
 from pytrio_compat.wire import CreateSampler, SampleRequest, WireImage, WireSamplingParams
 from server_mock.api.tinker import provenance, schemas
+from server_mock.api.tinker.answers import sample_answer
 from server_mock.api.tinker.endpoint import read
 from server_mock.api.tinker.futures import raise_
 from server_mock.api.tinker.paths import to_tinker_path, to_trio_path
-from server_mock.api.tinker.proto import encode as results
 from server_mock.api.tinker.state import TinkerState
 from server_mock.engine.queue import job_result
 from server_mock.errors import WorkerError, bad_request
@@ -43,6 +43,7 @@ async def create_sampling_session(state: TinkerState, request: Request, tenant: 
         sampler = await state.service.samplers.create(create, tenant)
         state.sampling_sessions[key] = sampler.sampler_id
         state.add_session_sampler(session, sampler.sampler_id)
+        state.journal.sampling_session(session, body.sampling_session_seq_id, sampler.sampler_id)
     return {"sampling_session_id": state.sampling_sessions[key], "type": "create_sampling_session"}
 
 
@@ -122,19 +123,6 @@ def _image_chunk(chunk: schemas.Chunk, position: int, where: str) -> WireImage:
     return WireImage(position=position, chunk=image)
 
 
-def _last_n(values: list, last_n: int | None) -> list:
-    if last_n is None:
-        return values
-    cut = len(values) - last_n
-    return [None] * cut + values[cut:]
-
-
-def encode_sample_result(result: dict, wire: SampleRequest, last_n: int | None, topk: int) -> bytes:
-    prompt_lps = _last_n(list(result.get("prompt_logprobs") or []), last_n) if wire.include_prompt_logprobs else None
-    tops = _last_n(list(result.get("topk_prompt_logprobs") or []), last_n) if topk else None
-    return results.encode_sample_response(result["sequences"], prompt_lps, tops, topk)
-
-
 async def _sampler_for(state: TinkerState, body: schemas.Asample, tenant: str) -> tuple[str, bool]:
     """The sampler an asample runs on, and whether it is one of the shared implicit ones."""
     if body.sampling_session_id is not None:
@@ -172,7 +160,10 @@ async def asample(state: TinkerState, request: Request, tenant: str):
             raise bad_request("record_stability_info", provenance.NO_SESSION)
         host = await service.models.host(sampler.base_model)
         wire, last_n, topk = sample_request(state, body, host.max_seq_len)
-        job = await service.samplers.submit_async(sampler.sampler_id, wire, tenant)
+        answer = {"protocol": "tinker", "include_prompt": wire.include_prompt_logprobs, "last_n": last_n,
+                  "topk": topk, "dedupe": [key, sequence_ids, body_digest] if dedupe else None}
+        job = await service.samplers.submit_async(sampler.sampler_id, wire, tenant, request_id=request_id,
+                                                  front=answer)
     except WorkerError as exc:
         if exc.status == 429:  # backpressure: the client waits a moment and re-sends
             raise
@@ -184,7 +175,7 @@ async def asample(state: TinkerState, request: Request, tenant: str):
             if record:
                 provenance.record_samples(service.stability, tenant, scope, sampler.sampler_id, wire.prompt_tokens,
                                           sequence_ids, result["sequences"])
-            return encode_sample_result(result, wire, last_n, topk)
+            return sample_answer(result, wire.include_prompt_logprobs, last_n, topk)
 
         async def convert(result: dict) -> bytes:
             return await asyncio.to_thread(recorded_and_encoded, result)

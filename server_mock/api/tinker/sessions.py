@@ -31,6 +31,7 @@ async def create_session(state: TinkerState, request: Request, tenant: str):
     await state.expire()
     session = state.new_session(f"sess-{uuid.uuid4().hex[:20]}", tenant)
     session.user_metadata, session.display_name = labels, display_name[:1024] if display_name else None
+    state.record_session(session)
     return {"session_id": session.session_id, "type": "create_session"}
 
 
@@ -74,6 +75,7 @@ async def create_model(state: TinkerState, request: Request, tenant: str):
     labels = records.user_metadata(body.user_metadata)  # RestClient.get_training_run answers them
     state.count_creation(session, "model_seq_id")
     model_id = f"{session.session_id}:train:{body.model_seq_id}"
+    request_id = state.futures.new_id()
 
     async def create() -> dict:
         if optimizer.type != "adamw":
@@ -82,10 +84,12 @@ async def create_model(state: TinkerState, request: Request, tenant: str):
         spec = LoraSpec(**lora.model_dump(exclude_none=True))
         run = await state.service.runs.create(CreateTrainingRun(base_model=body.base_model, lora=spec), tenant)
         run.user_metadata = labels
-        await state.register(session, model_id, run.run_id, run.base_model, labels)
-        return {"model_id": model_id, "type": "create_model"}
+        answer = {"model_id": model_id, "type": "create_model"}
+        await state.register(session, model_id, run.run_id, run.base_model, labels,
+                             (body.model_seq_id, request_id, answer))
+        return answer
 
-    request_id = state.futures.add_guarded(tenant, create())
+    state.futures.add_guarded(tenant, create(), request_id)
     state.creations[key] = (request_id, model_id)
     return {"request_id": request_id, "model_id": model_id}
 

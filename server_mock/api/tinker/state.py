@@ -16,6 +16,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from server_mock.api.bodies import json_limit, tensor_limit
+from server_mock.api.tinker.durable import TinkerJournal
 from server_mock.api.tinker.futures import Futures
 from server_mock.api.tinker.gate import SeqGate
 from server_mock.api.tinker.holding import HeldBytes
@@ -70,7 +71,10 @@ class TinkerState:
         limits = service.limits
         self.json_limit = json_limit(limits)  # every JSON body
         self.tensor_limit = tensor_limit(limits)  # forward_backward's protobuf body
-        self.futures = Futures(ttl=service.requests.result_ttl, max_bytes=limits.max_result_bytes)
+        journal = getattr(service, "journal", None)  # --durability full: sessions and models recorded
+        self.futures = Futures(ttl=service.requests.result_ttl, max_bytes=limits.max_result_bytes,
+                               durable=journal is not None)
+        self.journal = TinkerJournal(journal)
         self.held = HeldBytes(WAITING_BYTES_PER_SESSION_BODIES * limits.max_body_bytes,
                               WAITING_BYTES_PER_WORKER_BODIES * limits.max_body_bytes)
         self.sessions: dict[str, Session] = {}
@@ -99,6 +103,10 @@ class TinkerState:
         self.sessions[session_id] = session
         return session
 
+    def record_session(self, session: Session) -> None:
+        """Before the client gets the session's id (``--durability full``)."""
+        self.journal.session_created(session)
+
     def session(self, session_id: str, tenant: str) -> Session:
         session = self.sessions.get(session_id)
         if session is None or session.tenant != tenant:
@@ -123,12 +131,17 @@ class TinkerState:
         return model
 
     async def register(self, session: Session, model_id: str, run_id: str, base_model: str,
-                       user_metadata: dict[str, str] | None = None) -> TinkerModel:
+                       user_metadata: dict[str, str] | None = None,
+                       created_by: tuple[int, str, dict] | None = None) -> TinkerModel:
+        """A training model on run ``run_id``; ``created_by``: (model_seq_id, the future's id, its answer) of the
+        request that made it, recorded (``--durability full``) before that future finishes."""
         if self.sessions.get(session.session_id) is not session:  # it finished while the model was made
             await self._delete_run(run_id, session.tenant)
             raise WorkerError(404, "session_not_found", f"session_id: session {session.session_id!r} has finished")
         gate = SeqGate(max_ahead=MAX_SEQ_AHEAD, held=self.held, owner=session.session_id)
         model = TinkerModel(model_id, run_id, session.tenant, session.session_id, base_model, gate, user_metadata)
+        if created_by is not None:
+            self.journal.model_registered(model, *created_by)
         self.models[model_id] = model
         session.model_ids.append(model_id)
         return model
@@ -136,6 +149,7 @@ class TinkerState:
     async def finish(self, session: Session) -> None:
         """End a session: its training models are deleted (their checkpoints stay)."""
         self.sessions.pop(session.session_id, None)
+        self.journal.session_finished(session.session_id)
         for key in [k for k in self.creations if k[0] == session.session_id]:
             del self.creations[key]
         for key in [k for k in self.sampling_sessions if k[0] == session.session_id]:

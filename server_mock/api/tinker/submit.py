@@ -15,6 +15,7 @@ from starlette.requests import Request
 
 from server_mock.api import bodies
 from server_mock.api.tinker import schemas
+from server_mock.api.tinker.answers import ENCODERS, Answer, converter
 from server_mock.api.tinker.endpoint import digest, read_body
 from server_mock.api.tinker.futures import raise_
 from server_mock.api.tinker.holding import Slim
@@ -24,26 +25,35 @@ from server_mock.errors import WorkerError, bad_request
 
 
 def submit_op(state: TinkerState, model: TinkerModel, tenant: str, payload, body_digest: str,
-              convert: Callable[[dict], Any] | None) -> Awaitable[Any]:
+              convert: Callable[[dict], Any] | Answer | None, request_id: str | None = None,
+              seq_id: int = 0) -> Awaitable[Any]:
     """Hand one op to the service, after its predecessors; the awaitable of its result.
 
     ``payload``: the op, its ``PreparedOp``, why preparing it failed, or a function giving one of those.
-    An invalid op's awaitable raises its error. Only a full queue (429) raises here.
+    ``convert``: how its result becomes the answer; an ``Answer`` is journaled with the op (with the Tinker
+    ``seq_id`` and ``request_id``, the future's id, which the service's request then has too), so that the answer
+    is made again after a restart. An invalid op's awaitable raises its error. Only a full queue (429) raises here.
     """
+    answer = convert if isinstance(convert, Answer) else None
+    front = answer.front(model.model_id, seq_id) if answer is not None else None
     try:
         work = payload() if callable(payload) else payload
-        admission = state.service.runs.submit(model.run_id, work, tenant, seq_id=None, body_hash=body_digest)
+        admission = state.service.runs.submit(model.run_id, work, tenant, seq_id=None, body_hash=body_digest,
+                                              encode=ENCODERS.get(answer.kind) if answer else None,
+                                              request_id=request_id if answer else None, front=front)
     except WorkerError as exc:
         if exc.status == 429:
             raise
         return raise_(exc)
     except Exception as exc:  # noqa: BLE001
         return raise_(exc)
+    if answer is not None:
+        convert = converter(state, tenant, model, answer, admission.request_id)
     return job_result(admission.job, convert)
 
 
 def gated(state: TinkerState, tenant: str, model: TinkerModel, seq_id: Any, body_digest: str, payload,
-          convert: Callable[[dict], Any] | None, size: int,
+          convert: Callable[[dict], Any] | Answer | None, size: int,
           reload: tuple[int, Callable[[], Any]] | None = None) -> dict:
     """Admit one operation of ``model`` in seq_id order; its future's id. ``size``: the bytes it keeps
     while it waits for an earlier seq_id; ``reload``: a smaller form to keep instead, as (its size, a
@@ -51,19 +61,20 @@ def gated(state: TinkerState, tenant: str, model: TinkerModel, seq_id: Any, body
     if isinstance(seq_id, bool) or not isinstance(seq_id, int):
         raise bad_request("seq_id", "required: an integer")
     model.last_request = time.time()  # TrainingRun.last_request_time (REST)
+    request_id = state.futures.new_id()  # the future's id, and its service request's
 
     def submitter(payload) -> Callable[[], Awaitable[Any]]:
-        return lambda: submit_op(state, model, tenant, payload, body_digest, convert)
+        return lambda: submit_op(state, model, tenant, payload, body_digest, convert, request_id, seq_id)
 
     slim = None
     if reload is not None:
         reload_size, load = reload
         slim = Slim(reload_size, lambda: submitter(load()))
-    request_id = model.gate.admit(
-        seq_id, body_digest, submitter(payload), lambda work: state.futures.add_guarded(tenant, work),
+    admitted = model.gate.admit(  # request_id for a new seq_id, the original one for a re-send
+        seq_id, body_digest, submitter(payload), lambda work: state.futures.add_guarded(tenant, work, request_id),
         lambda message: state.futures.add_failed(tenant, bad_request("seq_id", message, code="seq_id_conflict")),
         size, slim)
-    return {"request_id": request_id, "model_id": model.model_id}
+    return {"request_id": admitted, "model_id": model.model_id}
 
 
 async def read_op(state: TinkerState, request: Request, tenant: str, model: type[schemas.TinkerBody]

@@ -4,7 +4,7 @@ service in seq_id order by ``submit.gated``.
 A forward_backward body is parsed, checked and turned into the service's op (numpy arrays, straight from the
 protobuf's bytes) in a worker thread, so the event loop never decodes or copies tensors. A request that has to
 wait for an earlier seq_id keeps only its body, the smaller form, and is decoded again in a thread when its
-turn comes. Results are encoded to protobuf in a thread too.
+turn comes. Results are encoded to protobuf on the model's thread (``answers.encode_forward``).
 """
 
 from __future__ import annotations
@@ -18,10 +18,9 @@ from starlette.requests import Request
 from pytrio_compat.wire import OptimStepOp
 from server_mock.api import bodies
 from server_mock.api.tinker import provenance, schemas
+from server_mock.api.tinker.answers import Answer
 from server_mock.api.tinker.endpoint import digest, read_body
-from server_mock.api.tinker.paths import tinker_metrics
 from server_mock.api.tinker.proto import decode as proto
-from server_mock.api.tinker.proto import encode as results
 from server_mock.api.tinker.proto.bounds import TooManyFields, count_fields
 from server_mock.api.tinker.state import TinkerModel, TinkerState
 from server_mock.api.tinker.submit import gated, raise_now, read_op
@@ -95,15 +94,6 @@ def preparer(state: TinkerState, model: TinkerModel, tenant: str) -> Callable[..
     return prepare
 
 
-def encode_forward_result(result: dict) -> bytes:
-    return results.encode_forward_backward_output(result.get("loss_fn_outputs", []),
-                                                  tinker_metrics(result.get("metrics", {})))
-
-
-async def forward_result(result: dict) -> bytes:
-    return await asyncio.to_thread(encode_forward_result, result)
-
-
 async def forward_backward(state: TinkerState, request: Request, tenant: str):
     raw = await read_body(request, state.tensor_limit, json_values=False)  # Content-Type: application/x-protobuf
     budget = state.element_budget()
@@ -124,7 +114,7 @@ async def forward_backward(state: TinkerState, request: Request, tenant: str):
         # While it waits for an earlier seq_id, a request keeps its body (smaller than the prepared op)
         # and is decoded again, in a thread, when its turn comes.
         reload = (len(raw), lambda: _op_again(raw, state.element_budget(), prepare))
-        return gated(state, tenant, model, decoded.seq_id, decoded.digest, work, forward_result, size, reload)
+        return gated(state, tenant, model, decoded.seq_id, decoded.digest, work, Answer("forward"), size, reload)
     # Refused: the seq_id is used up by a failed future, so the model's later requests are not held
     # back waiting for it, and the request itself is answered with the reason.
     code = "request_too_large" if error.status == 413 else "invalid_protobuf"
@@ -157,14 +147,8 @@ def _adam_params(body: schemas.OptimStep) -> OptimStepOp:
     return OptimStepOp(adam_params=params.params())
 
 
-def _optim_metrics(result: dict) -> dict:
-    m = result.get("metrics", {})
-    metrics = {"grad_norm:mean": m.get("grad_norm"), "learning_rate:mean": m.get("learning_rate"),
-               "step:max": m.get("step")}
-    return {"metrics": {k: float(v) for k, v in metrics.items() if v is not None}}
-
-
 async def optim_step(state: TinkerState, request: Request, tenant: str):
     body, size = await read_op(state, request, tenant, schemas.OptimStep)
     model = state.model(body.model_id, tenant)
-    return gated(state, tenant, model, body.seq_id, body.digest(), lambda: _adam_params(body), _optim_metrics, size)
+    return gated(state, tenant, model, body.seq_id, body.digest(), lambda: _adam_params(body), Answer("optim"),
+                 size)

@@ -9,10 +9,11 @@ import uuid
 
 from starlette.requests import Request
 
-from pytrio_compat.wire import CreateSampler, CreateTrainingRun, LoadOp, SaveOp
+from pytrio_compat.wire import CreateTrainingRun, LoadOp, SaveOp
 from server_mock.api.tinker import records, schemas
+from server_mock.api.tinker.answers import Answer
 from server_mock.api.tinker.endpoint import read
-from server_mock.api.tinker.paths import to_tinker_path, to_trio_path
+from server_mock.api.tinker.paths import to_trio_path
 from server_mock.api.tinker.state import TinkerState
 from server_mock.api.tinker.submit import gated, read_op
 from server_mock.errors import bad_request
@@ -27,10 +28,8 @@ async def save_weights(state: TinkerState, request: Request, tenant: str):
                       ttl_seconds=body.ttl_seconds, overwrite=body.overwrite,
                       user_metadata=records.user_metadata(body.user_metadata))
 
-    def convert(result: dict) -> dict:
-        return {"path": to_tinker_path(result["path"]), "type": "save_weights"}
-
-    return gated(state, tenant, model, body.seq_id, body.digest(), payload, convert, size)
+    return gated(state, tenant, model, body.seq_id, body.digest(), payload, Answer("save", {"type": "save_weights"}),
+                 size)
 
 
 async def save_weights_for_sampler(state: TinkerState, request: Request, tenant: str):
@@ -43,21 +42,15 @@ async def save_weights_for_sampler(state: TinkerState, request: Request, tenant:
             return SaveOp(op="save_weights_for_sampler", name=name, ttl_seconds=body.ttl_seconds,
                           user_metadata=records.user_metadata(body.user_metadata))
 
-        def convert(result: dict) -> dict:
-            return {"path": to_tinker_path(result["path"]), "type": "save_weights_for_sampler"}
+        answer = Answer("save", {"type": "save_weights_for_sampler"})
     else:
         # save_weights_and_get_sampling_client: an in-memory snapshot and a sampler on it
         def payload() -> SaveOp:
             return SaveOp(op="save_weights_for_sampler", name=f"tinker-{uuid.uuid4().hex[:16]}", ephemeral=True)
 
-        async def convert(result: dict) -> dict:
-            sampler = await state.service.samplers.create(CreateSampler(model_path=result["path"]), tenant)
-            session = state.sessions.get(model.session_id)
-            if session is not None:  # its samples may be recorded for stable_reinforce
-                state.add_session_sampler(session, sampler.sampler_id)
-            return {"sampling_session_id": sampler.sampler_id, "type": "save_weights_for_sampler"}
+        answer = Answer("snapshot")
 
-    return gated(state, tenant, model, body.seq_id, body.digest(), payload, convert, size)
+    return gated(state, tenant, model, body.seq_id, body.digest(), payload, answer, size)
 
 
 async def load_weights(state: TinkerState, request: Request, tenant: str):
@@ -69,10 +62,7 @@ async def load_weights(state: TinkerState, request: Request, tenant: str):
         def payload() -> LoadOp:
             return LoadOp(path=to_trio_path(path), load_optimizer=with_optimizer)
 
-        def convert(result: dict) -> dict:
-            return {"path": path, "model_id": model.model_id, "type": "load_weights"}
-
-        return gated(state, tenant, model, body.seq_id, body.digest(), payload, convert, size)
+        return gated(state, tenant, model, body.seq_id, body.digest(), payload, Answer("load", {"path": path}), size)
 
     # create_training_client_from_state*: a new model whose first request is this load
     if body.session_id is None:
@@ -90,15 +80,18 @@ async def load_weights(state: TinkerState, request: Request, tenant: str):
     base_model = body.base_model
     labels = records.user_metadata(body.user_metadata)
 
+    request_id = state.futures.new_id()
+
     async def create() -> dict:
         create_body = CreateTrainingRun(base_model=base_model, from_checkpoint=to_trio_path(path),
                                         load_optimizer=with_optimizer)
         run = await state.service.runs.create(create_body, tenant)
         run.user_metadata = labels
-        await state.register(session, model_id, run.run_id, run.base_model, labels)
-        return {"path": path, "model_id": model_id, "type": "load_weights"}
+        answer = {"path": path, "model_id": model_id, "type": "load_weights"}
+        await state.register(session, model_id, run.run_id, run.base_model, labels, (model_seq_id, request_id, answer))
+        return answer
 
-    request_id = state.futures.add_guarded(tenant, create())
+    state.futures.add_guarded(tenant, create(), request_id)
     state.creations[key] = (request_id, model_id)
     return {"request_id": request_id, "model_id": model_id}
 
