@@ -14,12 +14,14 @@ from .types import (
     Checkpoint,
     CheckpointArchiveUrlResponse,
     CheckpointDownloadResult,
+    CheckpointDownloadSource,
     CheckpointsListResponse,
     Cursor,
     GetSamplerResponse,
     TrainingRun,
+    TrainingRunsResponse,
 )
-from .wire import CheckpointArchiveUrl, CheckpointList, SamplerInfo, TrainingRunInfo
+from .wire import MAX_LIST_LIMIT, CheckpointArchiveUrl, CheckpointList, SamplerInfo, TrainingRunInfo, TrainingRunList
 
 if TYPE_CHECKING:
     from .service_client import ServiceClient
@@ -50,8 +52,20 @@ class RestClient:
         _require(training_run_id, "training_run_id")
         return await self._rt.run_async(self._list_checkpoints(training_run_id))
 
+    async def _user_checkpoints(self, limit: int, offset: int) -> CheckpointsListResponse:
+        everything = await self._list_checkpoints(None)
+        page = everything.checkpoints[offset:offset + limit]
+        return CheckpointsListResponse(checkpoints=page, cursor=Cursor(offset=offset, limit=limit,
+                                                                       total_count=len(everything.checkpoints)))
+
     def list_user_checkpoints(self, limit: int = 100, offset: int = 0) -> concurrent.futures.Future:
-        return self._rt.submit(self._list_checkpoints(None))
+        """One page of the caller's checkpoints of every run (``limit`` from ``offset``), with the total count."""
+        _page(limit, offset)
+        return self._rt.submit(self._user_checkpoints(limit, offset))
+
+    async def list_user_checkpoints_async(self, limit: int = 100, offset: int = 0) -> CheckpointsListResponse:
+        _page(limit, offset)
+        return await self._rt.run_async(self._user_checkpoints(limit, offset))
 
     async def _delete(self, path: str) -> None:
         await self._rt.request("DELETE", "/v1/checkpoints", params={"path": path}, operation="delete_checkpoint")
@@ -81,6 +95,19 @@ class RestClient:
     async def get_checkpoint_archive_url_async(self, checkpoint_id: str) -> CheckpointArchiveUrlResponse:
         _require(checkpoint_id, "checkpoint_id")
         return await self._rt.run_async(self._archive_url(checkpoint_id))
+
+    async def _download_source(self, checkpoint_id: str) -> CheckpointDownloadSource:
+        signed = await self._archive_url(checkpoint_id)
+        return CheckpointDownloadSource(checkpoint_id=checkpoint_id, url=signed.url, expires=signed.expires)
+
+    def get_checkpoint_download_url(self, checkpoint_id: str) -> concurrent.futures.Future:
+        """Where to download the checkpoint's archive from (the worker itself: ``source`` "actor"), until when."""
+        _require(checkpoint_id, "checkpoint_id")
+        return self._rt.submit(self._download_source(checkpoint_id))
+
+    async def get_checkpoint_download_url_async(self, checkpoint_id: str) -> CheckpointDownloadSource:
+        _require(checkpoint_id, "checkpoint_id")
+        return await self._rt.run_async(self._download_source(checkpoint_id))
 
     async def _download(self, checkpoint_id: str, destination: Path, resume: bool) -> CheckpointDownloadResult:
         async def source() -> download.Source:
@@ -120,6 +147,27 @@ class RestClient:
         _require(training_run_id, "training_run_id")
         return await self._rt.run_async(self._get_training_run(training_run_id))
 
+    async def _list_training_runs(self, limit: int, offset: int) -> TrainingRunsResponse:
+        raw = await self._rt.request("GET", "/v1/training_runs", params={"limit": limit, "offset": offset},
+                                     operation="list_training_runs")
+        page = TrainingRunList.model_validate(raw)
+        now = datetime.now(tz=timezone.utc)
+        runs = [TrainingRun(training_run_id=info.training_run_id, base_model=info.base_model, is_lora=True,
+                            lora_rank=info.lora.rank, last_request_time=now) for info in page.training_runs]
+        return TrainingRunsResponse(training_runs=runs,
+                                    cursor=Cursor(offset=offset, limit=limit, total_count=page.total_count))
+
+    def list_training_runs(self, limit: int = 20, offset: int = 0,
+                           access_scope: str = "owned") -> concurrent.futures.Future:
+        """One page of the caller's live training runs, oldest first (the worker's runs are all "owned")."""
+        _page(limit, offset)
+        return self._rt.submit(self._list_training_runs(limit, offset))
+
+    async def list_training_runs_async(self, limit: int = 20, offset: int = 0,
+                                       access_scope: str = "owned") -> TrainingRunsResponse:
+        _page(limit, offset)
+        return await self._rt.run_async(self._list_training_runs(limit, offset))
+
     async def _get_sampler(self, sampler_id: str) -> GetSamplerResponse:
         raw = await self._rt.request("GET", f"/v1/samplers/{sampler_id}", operation="get_sampler")
         info = SamplerInfo.model_validate(raw)
@@ -137,3 +185,11 @@ class RestClient:
 def _require(value: str, name: str) -> None:
     if not value:
         raise ValidationError(f"{name} cannot be empty", code="validation.empty_rest_argument")
+
+
+def _page(limit: int, offset: int) -> None:
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIST_LIMIT:
+        raise ValidationError(f"limit must be an integer in [1, {MAX_LIST_LIMIT}], got {limit!r}",
+                              code="validation.invalid_page")
+    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+        raise ValidationError(f"offset must be an integer >= 0, got {offset!r}", code="validation.invalid_page")

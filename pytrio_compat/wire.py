@@ -99,6 +99,16 @@ class TrainingRunInfo(WireModel):
     last_seq_id: int = 0
 
 
+class TrainingRunList(WireModel):
+    """One page of the caller's training runs, oldest first, and how many there are in all."""
+
+    training_runs: list[TrainingRunInfo]
+    total_count: int
+
+
+MAX_LIST_LIMIT = 1000  # runs on one page of GET /v1/training_runs
+
+
 class WireImage(WireModel):
     """An image chunk of a prompt or datum: the image goes before text token ``position`` of the sequence's text
     tokens (``len(tokens)``: after the last one); images at one position keep their order. The worker replaces it

@@ -12,12 +12,14 @@ from starlette.requests import Request
 from starlette.routing import Route
 
 from pytrio_compat.wire import (
+    MAX_LIST_LIMIT,
     Accepted,
     CreateTrainingRun,
     ForwardOp,
     ModelOperationCapabilities,
     TrainingOp,
     TrainingRunInfo,
+    TrainingRunList,
     WireDatum,
     WireTensor,
 )
@@ -99,6 +101,29 @@ async def create_run(request: Request, tenant: str, body: CreateTrainingRun):
     return await request.app.state.idempotency.remember(request, tenant, create)
 
 
+def _page_param(request: Request, name: str, default: int, low: int, high: int) -> int:
+    text = request.query_params.get(name)
+    if text is None:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        raise bad_request(name, f"must be an integer in [{low}, {high}], got {text[:40]!r}") from None
+    if not low <= value <= high:
+        raise bad_request(name, f"must be an integer in [{low}, {high}], got {value}")
+    return value
+
+
+async def list_runs(request: Request, tenant: str):
+    """The caller's live training runs, oldest first: ``limit`` (1-1000, default 20) from ``offset``."""
+    service = service_of(request)
+    limit = _page_param(request, "limit", 20, 1, MAX_LIST_LIMIT)
+    offset = _page_param(request, "offset", 0, 0, 2**31 - 1)
+    runs = service.runs.owned(tenant)
+    return TrainingRunList(training_runs=[run_info(service, run) for run in runs[offset:offset + limit]],
+                           total_count=len(runs))
+
+
 async def get_run(request: Request, tenant: str):
     service = service_of(request)
     return run_info(service, service.runs.get(request.path_params["run_id"], tenant))
@@ -130,6 +155,7 @@ async def submit_op(request: Request, tenant: str, body: TrainingOp):
 
 ROUTES = [
     Route("/v1/training_runs", endpoint(create_run, CreateTrainingRun), methods=["POST"]),
+    Route("/v1/training_runs", endpoint(list_runs), methods=["GET"]),
     Route("/v1/training_runs/{run_id}", endpoint(get_run), methods=["GET"]),
     Route("/v1/training_runs/{run_id}", endpoint(delete_run), methods=["DELETE"]),
     Route("/v1/training_runs/{run_id}/ops", endpoint(submit_op, TrainingOp, tensors=True), methods=["POST"]),
