@@ -32,6 +32,7 @@ from safetensors.torch import load_file, save_file
 
 from server_mock.errors import WorkerError, bad_request
 from server_mock.storage import crash_points
+from server_mock.storage.files import fsync_path
 
 # anchored with \Z, not $ (which also matches before a trailing newline), so .match and .fullmatch both hold
 NAME_RE = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9_-])?\Z")
@@ -173,8 +174,8 @@ class CheckpointStore:
             if seal is not None:
                 seal(tmp)
             for item in tmp.iterdir():
-                _fsync(item)
-            _fsync(tmp)
+                fsync_path(item)
+            fsync_path(tmp)
             if final.exists():
                 trash = final.with_name(f".{ref.name}.old-{os.getpid()}-{time.monotonic_ns()}")
                 os.rename(final, trash)
@@ -182,21 +183,31 @@ class CheckpointStore:
                 shutil.rmtree(trash, ignore_errors=True)
             else:
                 os.rename(tmp, final)
-            _fsync(final.parent)
+            fsync_path(final.parent)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         return folder_size(final)
 
     def remove_leftovers(self) -> int:
-        """Delete the temporary and replaced folders a crash left in the middle of a write (never a checkpoint: a
-        write that did not finish was not acknowledged); how many."""
-        removed = 0
-        for folder in self.root.glob("checkpoints/*/*/.*"):
-            if folder.is_dir() and (".tmp-" in folder.name or ".old-" in folder.name):
+        """Tidy what a crash left in the middle of a write; how many folders. An overwrite moves the old checkpoint
+        aside (``.name.old-*``) before it moves the new one in: a crash between the two leaves no folder under the
+        name, so the old one (acknowledged before) is moved back. Temporary folders and replaced ones whose name
+        holds a checkpoint again are deleted (a write that did not finish was never acknowledged)."""
+        handled = 0
+        replaced = [f for f in self.root.glob("checkpoints/*/*/.*") if f.is_dir() and ".old-" in f.name]
+        for folder in sorted(replaced, key=lambda f: f.stat().st_mtime, reverse=True):  # the newest first
+            final = folder.with_name(folder.name[1:].split(".old-", 1)[0])
+            if not final.exists() and (folder / "meta.json").exists():
+                os.rename(folder, final)
+            else:
                 shutil.rmtree(folder, ignore_errors=True)
-                removed += 1
-        return removed
+            handled += 1
+        for folder in self.root.glob("checkpoints/*/*/.*"):
+            if folder.is_dir() and ".tmp-" in folder.name:
+                shutil.rmtree(folder, ignore_errors=True)
+                handled += 1
+        return handled
 
     def read_meta(self, ref: CheckpointRef) -> dict:
         meta = self._meta_or_none(ref)
@@ -219,7 +230,7 @@ class CheckpointStore:
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
-        _fsync(folder)
+        fsync_path(folder)
         return meta
 
     def read_tensors(self, ref: CheckpointRef, filename: str) -> dict[str, torch.Tensor]:
@@ -290,12 +301,6 @@ def folder_size(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.iterdir() if not f.name.startswith(".") and f.is_file())
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _clip(value: object) -> str:
