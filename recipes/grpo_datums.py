@@ -82,10 +82,10 @@ def kl_sample_train(datums: Sequence[trio.Datum], fb_output: Any) -> float | Non
     return total / count if count else None
 
 
-def ratio_clip_fraction(datums: Sequence[trio.Datum], fb_output: Any, low: float, high: float) -> float | None:
-    """Share of trained positions (advantage != 0) whose ratio exp(learner - sampler logprob) lies outside
-    [low, high], from `fb_output.loss_fn_outputs[i]["logprobs"]`; None when there is nothing to compare."""
-    outside, count = 0, 0
+def _trained_ratios(datums: Sequence[trio.Datum], fb_output: Any) -> list[tuple[float, float]] | None:
+    """(exp(learner - sampler logprob), advantage) at each trained position (advantage != 0), from
+    `fb_output.loss_fn_outputs[i]["logprobs"]`; None when an output has no logprobs."""
+    pairs = []
     outputs = getattr(fb_output, "loss_fn_outputs", None) or []
     for datum, out in zip(datums, outputs):
         if "logprobs" not in out:
@@ -93,27 +93,22 @@ def ratio_clip_fraction(datums: Sequence[trio.Datum], fb_output: Any, low: float
         sampler = datum.loss_fn_inputs["logprobs"].data
         for q, lp, a in zip(sampler, out["logprobs"].data, datum.loss_fn_inputs["advantages"].data):
             if a != 0.0:
-                ratio = math.exp(float(lp) - float(q))
-                outside += int(ratio < low or ratio > high)
-                count += 1
-    return outside / count if count else None
+                pairs.append((math.exp(float(lp) - float(q)), a))
+    return pairs
+
+
+def ratio_clip_fraction(datums: Sequence[trio.Datum], fb_output: Any, low: float, high: float) -> float | None:
+    """Share of trained positions (advantage != 0) whose ratio exp(learner - sampler logprob) lies outside
+    [low, high]; None when there is nothing to compare."""
+    pairs = _trained_ratios(datums, fb_output)
+    return sum(r < low or r > high for r, _ in pairs) / len(pairs) if pairs else None
 
 
 def ppo_clip_fraction(datums: Sequence[trio.Datum], fb_output: Any, low: float, high: float) -> float | None:
     """Share of trained positions (advantage != 0) where ppo's clipped branch binds: r > high with A > 0, or
     r < low with A < 0 (TRL's clip_ratio/region_mean), from the learner logprobs of `fb_output`."""
-    clipped, count = 0, 0
-    outputs = getattr(fb_output, "loss_fn_outputs", None) or []
-    for datum, out in zip(datums, outputs):
-        if "logprobs" not in out:
-            return None
-        sampler = datum.loss_fn_inputs["logprobs"].data
-        for q, lp, a in zip(sampler, out["logprobs"].data, datum.loss_fn_inputs["advantages"].data):
-            if a != 0.0:
-                ratio = math.exp(float(lp) - float(q))
-                clipped += int((ratio > high and a > 0) or (ratio < low and a < 0))
-                count += 1
-    return clipped / count if count else None
+    pairs = _trained_ratios(datums, fb_output)
+    return sum((r > high and a > 0) or (r < low and a < 0) for r, a in pairs) / len(pairs) if pairs else None
 
 
 def logprob_gap_max(datums: Sequence[trio.Datum], fb_output: Any) -> float | None:
