@@ -55,3 +55,21 @@ def save(name: str, payload: dict) -> Path:
     path.write_text(json.dumps({**payload, "machine": machine()}, indent=1))
     print(json.dumps(payload, indent=1))
     return path
+
+
+def sampler_minus_trainer(host, adapter, specs, results) -> list:
+    """Per sampled sequence, its sampler logprobs minus the trainer's (one forward pass per request's sequences,
+    no gradient) on the same tokens: numpy arrays, in order."""
+    import numpy as np
+
+    gaps = []
+    for spec, result in zip(specs, results):
+        data = []
+        for seq in result.sequences:
+            full = np.asarray(spec.prompt_tokens + seq.tokens, dtype=np.int64)
+            data.append({"tokens": full[:-1], "target_tokens": full[1:],
+                         "weights": np.ones(len(full) - 1, dtype=np.float32)})
+        out = host.forward_backward(adapter, data, "cross_entropy", {}, backward=False)["outputs"]
+        for seq, o in zip(result.sequences, out):
+            gaps.append(np.asarray(seq.logprobs) - np.asarray(o["logprobs"])[len(spec.prompt_tokens) - 1:])
+    return gaps

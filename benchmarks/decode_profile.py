@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import few_shot_prompt, median  # noqa: E402
+from benchmarks.common import few_shot_prompt, median, sampler_minus_trainer  # noqa: E402
 
 QUESTIONS = ("What is 36 + 47?", "What is 12 + 85?", "What is 64 + 29?", "What is 53 + 18?")
 
@@ -192,18 +192,7 @@ def merged_precision(host, adapter, tokens: int = 24) -> dict:
               for x, y in zip(s.logprobs, t.logprobs))
 
     def to_trainer(results) -> float:
-        worst = 0.0
-        for spec, result in zip(specs, results):
-            data = []
-            for seq in result.sequences:
-                full = np.asarray(spec.prompt_tokens + seq.tokens, dtype=np.int64)
-                data.append({"tokens": full[:-1], "target_tokens": full[1:],
-                             "weights": np.ones(len(full) - 1, dtype=np.float32)})
-            out = host.forward_backward(adapter, data, "cross_entropy", {}, backward=False)["outputs"]
-            for seq, o in zip(result.sequences, out):
-                trainer = np.asarray(o["logprobs"])[len(spec.prompt_tokens) - 1:]
-                worst = max(worst, float(np.abs(trainer - np.asarray(seq.logprobs)).max()))
-        return worst
+        return max(float(np.abs(g).max()) for g in sampler_minus_trainer(host, adapter, specs, results))
 
     return {"same_tokens": same, "max_gap_merged_vs_unmerged": gap, "max_gap_to_trainer_merged": to_trainer(merged),
             "max_gap_to_trainer_unmerged": to_trainer(unmerged)}

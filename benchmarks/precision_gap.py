@@ -22,6 +22,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from benchmarks.common import sampler_minus_trainer  # noqa: E402
 
 PROMPTS = ["What is 17 + 25? Answer with a number.", "Name three colours.", "Write one sentence about the sea.",
            "What is the capital of France?"]
@@ -49,17 +50,7 @@ def measure(source: str, device: str, dtype_name: str, float32_head: bool, autoc
     specs = [SampleSpec(prompt_tokens=list(p), num_samples=group, max_tokens=max_tokens, seed=i)
              for i, p in enumerate(prompt_ids)]
     results = generate_batch(model, specs, host.tokenizer, support=host.sampling_support)
-    gaps = []
-    for spec, result in zip(specs, results):
-        data = []
-        for seq in result.sequences:
-            full = np.asarray(spec.prompt_tokens + seq.tokens, dtype=np.int64)
-            data.append({"tokens": full[:-1], "target_tokens": full[1:],
-                         "weights": np.ones(len(full) - 1, dtype=np.float32)})
-        out = host.forward_backward(adapter, data, "cross_entropy", {}, backward=False)["outputs"]
-        for seq, o in zip(result.sequences, out):
-            trainer = o["logprobs"][len(spec.prompt_tokens) - 1:]
-            gaps.append(np.asarray(seq.logprobs) - trainer)
+    gaps = sampler_minus_trainer(host, adapter, specs, results)
     flat = np.concatenate(gaps)
     return {"dtype": dtype_name, "trainer_autocast_bf16": autocast, "float32_head": float32_head,
             "tokens": int(flat.size), "max_abs_gap": float(np.abs(flat).max()),
