@@ -10,11 +10,12 @@ from typing import Any
 
 
 def setting(default: Any, help: str, *, flag: str | None = None, choices: dict[str, Any] | None = None,
-            minimum: float | None = None, why: str = "", metavar: str | None = None) -> Any:
-    """A field with its flag's help text; ``choices`` maps flag values to field values, ``minimum`` is checked by
-    ``from_args`` (``why`` says what the bound means)."""
+            minimum: float | None = None, maximum: float | None = None, why: str = "",
+            metavar: str | None = None) -> Any:
+    """A field with its flag's help text; ``choices`` maps flag values to field values, ``minimum`` and ``maximum``
+    are checked by ``from_args`` (``why`` says what the bounds mean)."""
     return field(default=default, metadata={"help": help, "flag": flag, "choices": choices, "minimum": minimum,
-                                            "why": why, "metavar": metavar})
+                                            "maximum": maximum, "why": why, "metavar": metavar})
 
 
 @dataclass
@@ -136,6 +137,10 @@ class PytrioOptions:
                                                 "the least recently used is released first)", minimum=1)
     pytrio_sampling_run_ttl: float = setting(21600.0, "seconds a PyTRIO sampling run without a sample request is kept",
                                              minimum=60)
+    pytrio_ack_wait: float = setting(10.0, "seconds a PyTRIO event submit waits, under --durability full, for its "
+                                           "event to be journaled by the service before it is acknowledged; past it, "
+                                           "the event's body is recorded to run after a restart, and acknowledged",
+                                     minimum=0, maximum=25, why="the SDK re-sends a submit after 30 s")
     pytrio_sample_keepalive: float = setting(30.0, "seconds a PyTRIO sample answer may take before the worker starts "
                                                    "it with whitespace keep-alives (one every such interval)",
                                              minimum=0.05)
@@ -241,8 +246,11 @@ def from_args(cls: type, args: argparse.Namespace) -> Any:
         if f.metadata.get("choices"):
             value = f.metadata["choices"][value]
         minimum = f.metadata.get("minimum")
+        maximum = f.metadata.get("maximum")
+        why = f.metadata.get("why")
         if minimum is not None and value < minimum:
-            why = f.metadata.get("why")
             raise ValueError(f"{_flag(f)} must be >= {minimum:g}" + (f" ({why})" if why else ""))
+        if maximum is not None and value > maximum:
+            raise ValueError(f"{_flag(f)} must be <= {maximum:g}" + (f" ({why})" if why else ""))
         values[f.name] = value
     return cls(**values)

@@ -72,6 +72,6 @@ async def recover(service) -> dict[str, int]:
     for hook in service.recovery_hooks:  # each front end takes up its own records, on top of the service's
         counts.update(await hook())
     counts["seconds"] = round(time.perf_counter() - started, 3)
-    if any(counts[k] for k in ("requests", "snapshots", "samplers", "runs", "samples_requeued")):
+    if any(value for name, value in counts.items() if name not in ("seconds", "orphans_removed")):
         logger.warning("recovered from %s: %s", journal.dir, counts)
     return counts

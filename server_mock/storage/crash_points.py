@@ -8,7 +8,8 @@ The points: ``forward_backward`` (after the gradients were
 accumulated, before anything is answered), ``optim_step`` (before the step), ``save_state`` / ``save_weights``
 (after the tensor files of a state / sampler checkpoint on disk are written, before its folder is renamed into
 place), ``sample`` (after the tokens were generated, before anything is answered), ``state_write`` (after a run's
-state file is written, before the database names it).
+state file is written, before the database names it), ``init_run`` (a PyTRIO ``trainer.init_run`` acknowledged,
+before its adapter is made).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import signal
 import threading
 
 ENV_VAR = "PYTRIO_WORKER_CRASH_AT"
-POINTS = ("forward_backward", "optim_step", "save_state", "save_weights", "sample", "state_write")
+POINTS = ("forward_backward", "optim_step", "save_state", "save_weights", "sample", "state_write", "init_run")
 
 _counts: dict[str, int] = {}
 _lock = threading.Lock()

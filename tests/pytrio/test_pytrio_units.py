@@ -15,8 +15,10 @@ from pydantic import ValidationError
 from server_mock.api.pytrio import event_wire as wire
 from server_mock.api.pytrio.actor import decode_event, hold_seconds
 from server_mock.api.pytrio.msgpack_codec import MsgpackError, MsgpackLimits, decode, encode
-from server_mock.api.pytrio.tokens import ActorTokens
+from server_mock.api.pytrio.tokens import ActorTokens, Grant
 from server_mock.api.pytrio.training import _unshift, encode_forward, forward_batch
+from server_mock.cli import build_parser
+from server_mock.config import PytrioOptions, from_args
 from server_mock.errors import WorkerError
 
 pytest.importorskip("pytrio", reason="the official pytrio SDK (the dev extra) is not installed")
@@ -105,6 +107,41 @@ def test_tokens_expire_renew_and_open_only_their_run():
             tokens.resolve(header)
         assert caught.value.status == 401
     assert tokens.mint("tenant-a", "training", "run-1", "ss_1")[0] != token  # a new run gets a new secret
+
+
+def test_a_restored_token_opens_its_run_and_its_renewal_mints_a_new_one():
+    now = [1000.0]
+    before = ActorTokens(ttl=600.0, clock=lambda: now[0])
+    token, _ = before.mint("tenant-a", "training", "run-1", "ss_1")
+    digest, expires = before.written("run-1")
+    assert token not in digest and len(bytes.fromhex(digest)) == 32  # only the SHA-256 is written down
+    after = ActorTokens(ttl=600.0, clock=lambda: now[0])  # a new process
+    after.restore(digest, Grant("tenant-a", "training", "run-1", "ss_1", expires))
+    assert after.resolve(f"Bearer {token}").run_cuid == "run-1"
+    now[0] = 1300.0
+    renewed, later = after.renew("run-1")
+    assert renewed != token and later == 1900.0 and after.written("run-1")[0] != digest
+    assert after.renew("run-1")[0] == renewed  # from then on, renewals keep the new token
+    assert after.resolve(f"Bearer {token}").run_cuid == "run-1"  # the old one until its own expiry
+    now[0] = 1600.0
+    with pytest.raises(WorkerError, match="expired"):
+        after.resolve(f"Bearer {token}")
+    assert after.resolve(f"Bearer {renewed}").run_cuid == "run-1"
+    now[0] = 1000.0
+    after.revoke("run-1")  # both die with the run
+    for gone in (token, renewed):
+        with pytest.raises(WorkerError, match="unknown or revoked"):
+            after.resolve(f"Bearer {gone}")
+
+
+def test_the_ack_wait_is_bounded_below_the_sdks_submit_timeout():
+    parser = build_parser()
+    assert from_args(PytrioOptions, parser.parse_args(["serve", "--pytrio-ack-wait", "25"])).pytrio_ack_wait == 25
+    assert from_args(PytrioOptions, parser.parse_args(["serve", "--pytrio-ack-wait", "0"])).pytrio_ack_wait == 0
+    with pytest.raises(ValueError, match="--pytrio-ack-wait must be <= 25"):
+        from_args(PytrioOptions, parser.parse_args(["serve", "--pytrio-ack-wait", "25.01"]))
+    with pytest.raises(ValueError, match="--pytrio-ack-wait must be >= 0"):
+        from_args(PytrioOptions, parser.parse_args(["serve", "--pytrio-ack-wait", "-0.01"]))
 
 
 # --- the SDK's own encoding, decoded here -------------------------------------------------------------------------
@@ -235,6 +272,8 @@ def test_poll_hold_follows_prefer_wait():
 
 class _FakeService:
     """What the state reaches of the service: releasing samplers, snapshots and runs is recorded."""
+
+    journal = None  # --durability checkpoint-only: nothing recorded
 
     def __init__(self) -> None:
         self.dropped, self.deleted, self.snapshot_paths = [], [], set()

@@ -8,13 +8,15 @@ become the service's ops, in order, on the same tenant lanes, limits, losses and
 Tinker and OpenAI protocols. docs/pytrio.md lists every route, what is refused, the reduction and the tokens.
 
 Modules: control_wire / event_wire / sample_wire (the shapes), msgpack_codec (bounded decoding), endpoint (HTTP
-plumbing), tokens, state (sessions, runs, their release), events (a run's event table and order), training (how
-an event runs), control / runs / checkpoints / downloads (Control routes), actor / sampling (Actor routes).
+plumbing), tokens, state (sessions, runs, their release), durable / restart (their records under
+``--durability full``, taken up again at start), events (a run's event table and order), training (how an event
+runs), control / runs / checkpoints / downloads (Control routes), actor / sampling (Actor routes).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 
 from starlette.requests import Request
@@ -22,7 +24,7 @@ from starlette.routing import Route
 
 from server_mock.api.auth import Auth
 from server_mock.api.downloads import Downloads as SignedDownloads
-from server_mock.api.pytrio import actor, checkpoints, control, downloads, runs, sampling
+from server_mock.api.pytrio import actor, checkpoints, control, downloads, restart, runs, sampling
 from server_mock.api.pytrio.endpoint import actor_endpoint, control_endpoint
 from server_mock.api.pytrio.msgpack_codec import MEDIA_TYPE
 from server_mock.api.pytrio.state import PytrioState
@@ -53,6 +55,8 @@ class PytrioProtocol:
     def __init__(self, service: WorkerService, auth: Auth, options: PytrioOptions | None = None,
                  links: SignedDownloads | None = None) -> None:
         self.state = PytrioState(service, options or PytrioOptions())
+        if service.journal is not None:  # --durability full: sessions, runs, tokens and events come back at start
+            service.recovery_hooks.append(functools.partial(restart.restore, self.state))
         self.auth = auth
         self.downloads = downloads.Downloads(service, links)
 

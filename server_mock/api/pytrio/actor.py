@@ -5,6 +5,11 @@ decoded within bounds, the event checked against the run's table and either refu
 from the table (a re-sent event), or admitted to run in index order. Only bodies the SDK never sends (not a
 decodable event) get an HTTP error, because any other error status on submit breaks the SDK's training client for
 good. A poll holds until the event ends or ``Prefer: wait=N`` nearly runs out.
+
+Under ``--durability full`` an event is acknowledged only once a restart cannot lose it: a ``trainer.init_run``
+once its body is recorded; any other event once its op is journaled by the service (or it has ended), which
+takes the time to check its datums, or, past ``--pytrio-ack-wait`` seconds (events queued behind a slow init),
+once its body is recorded to run again after a restart. A failed answer is recorded before it is sent.
 """
 
 from __future__ import annotations
@@ -100,12 +105,12 @@ async def submit_event(state: PytrioState, request: Request):
     digest = hashlib.sha256(raw).digest()
     table = run.events
     async with table.admitting:
-        known = table.get(envelope.event_id)
-        if known is not None:  # a re-sent event: its status now, never a second run
-            if known.digest != digest:
+        event = table.get(envelope.event_id)
+        if event is not None:  # a re-sent event: its status now, never a second run
+            if event.digest != digest:
                 raise WorkerError(409, "event_exists", f"event_id: {envelope.event_id} was already submitted with a "
                                                        "different body", "event_id")
-            return msgpack_response(known.current())
+            return await acknowledged(state, run, event, raw)
         event = Event(envelope.event_id, envelope.type, envelope.metadata.index, digest)
         if envelope.metadata.index != table.next_index:
             event.fail("out_of_order", f"metadata.index: expected {table.next_index}, got "
@@ -116,18 +121,35 @@ async def submit_event(state: PytrioState, request: Request):
             payload = await asyncio.to_thread(wire.parse_payload, envelope) if big else wire.parse_payload(envelope)
         except PydanticValidationError as exc:
             event.fail("invalid_payload", first_error(exc, "payload")[1])
-            table.record(event)
-            return msgpack_response(event.answer)
+            return answered(state, run, event)
         why = refusal(envelope, payload, run)
         if why is not None:
             event.fail(*why)
-            table.record(event)
-            return msgpack_response(event.answer)
+            return answered(state, run, event)
         if envelope.type == "trainer.init_run":
             run.init = "pending"
+            state.save_training(run)
+            state.journal.event(run, event, raw)
+            event.taken.set()  # recorded: runs again after a restart
         event.payload = payload
         table.admit(event)
-        return msgpack_response(event.current())
+    return await acknowledged(state, run, event, raw)
+
+
+async def acknowledged(state: PytrioState, run: TrainingRun, event: Event, raw: bytes) -> Response:
+    """The event's status, once a restart cannot lose it (``--durability full``; see the module docstring)."""
+    if state.journal.on and not event.taken.is_set():
+        if not await event.wait(state.options.pytrio_ack_wait, until=event.taken) and not event.recorded:
+            state.journal.event(run, event, raw)  # still queued: recorded to run again after a restart
+            event.taken.set()
+    return msgpack_response(event.current())
+
+
+def answered(state: PytrioState, run: TrainingRun, event: Event) -> Response:
+    """A well-formed event refused at once: it uses up its index, and its failed answer is recorded first."""
+    run.events.record(event)
+    state.journal.event(run, event)
+    return msgpack_response(event.answer)
 
 
 def hold_seconds(prefer: str | None) -> float:

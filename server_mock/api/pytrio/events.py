@@ -36,6 +36,8 @@ class Event:
     job: Job | None = None  # the service job running it, once handed over
     ended: float | None = None  # monotonic
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    taken: asyncio.Event = field(default_factory=asyncio.Event)  # handed to the service (journaled), or answered
+    recorded: bool = False  # has a protocol record (api/pytrio/durable.py), deleted when it is forgotten
 
     @property
     def finished(self) -> bool:
@@ -53,16 +55,20 @@ class Event:
         self.ended = time.monotonic()
         self.payload = self.job = None
         self.done.set()
+        self.taken.set()
 
     def fail(self, code: str, message: str, usage: wire.UsageOut | None = None) -> None:
         self.finish(wire.failed(self.event_id, self.type, code, message, usage))
 
-    async def wait(self, timeout: float) -> None:
-        if self.answer is None and timeout > 0:
+    async def wait(self, timeout: float, until: asyncio.Event | None = None) -> bool:
+        """Wait up to ``timeout`` seconds for the event to end (or ``until`` to be set); whether it happened."""
+        flag = self.done if until is None else until
+        if not flag.is_set() and timeout > 0:
             try:
-                await asyncio.wait_for(self.done.wait(), timeout)
+                await asyncio.wait_for(flag.wait(), timeout)
             except asyncio.TimeoutError:
                 pass
+        return flag.is_set()
 
 
 Execute = Callable[[Event], Awaitable[None]]
@@ -71,8 +77,10 @@ Execute = Callable[[Event], Awaitable[None]]
 class EventTable:
     """A run's events by id, the next index it admits, and the queue of admitted events not yet started."""
 
-    def __init__(self, keep: int, ttl: float, execute: Execute, keep_bytes: int = 128 << 20) -> None:
+    def __init__(self, keep: int, ttl: float, execute: Execute, keep_bytes: int = 128 << 20,
+                 forget: Callable[[Event], None] | None = None) -> None:
         self.keep, self.ttl, self.execute, self.keep_bytes = keep, ttl, execute, keep_bytes
+        self.forget = forget  # called with each event dropped by ``prune`` (its record goes too)
         self.next_index = 1
         self.events: OrderedDict[str, Event] = OrderedDict()
         self.admitting = asyncio.Lock()  # submits of this run, one at a time
@@ -104,6 +112,7 @@ class EventTable:
     def watch(self, event: Event, job: Job, finish: Callable[[Job], wire.EventStatusOut | bytes]) -> None:
         """The event ends when the service job does: ``finish(job)`` gives its answer."""
         event.job = job
+        event.taken.set()
 
         async def watcher() -> None:
             if job.done is not None:
@@ -131,6 +140,8 @@ class EventTable:
                 logger.exception("pytrio: event %s (%s) failed", event.event_id, event.type)
                 if not event.finished:
                     event.fail("internal_error", f"{type(exc).__name__}: {exc}")
+            finally:
+                event.taken.set()
 
     def prune(self, now: float | None = None) -> None:
         """Forget finished events past their TTL, and the oldest finished ones beyond ``keep`` events or
@@ -144,6 +155,8 @@ class EventTable:
                 del self.events[event.event_id]
                 extra -= 1
                 held -= len(event.answer)
+                if self.forget is not None:
+                    self.forget(event)
 
     def close(self, reason: str) -> None:
         """The run is released: events not started fail; the one being started and those running on the model

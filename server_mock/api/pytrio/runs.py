@@ -69,6 +69,13 @@ def _check_room(state: PytrioState, tenant: str) -> None:
                                          "the SDK retries until one is released")
 
 
+def new_events(state: PytrioState, run: TrainingRun) -> EventTable:
+    """A training run's event table (its events run through ``training.execute``)."""
+    options = state.options
+    return EventTable(options.pytrio_events_per_run, options.pytrio_event_ttl, partial(training.execute, state, run),
+                      options.pytrio_event_answer_bytes, forget=partial(state.forget_event, run))
+
+
 async def create_training_run(state: PytrioState, request: Request, tenant: str):
     session = state.session(request.path_params["session"], tenant)
     body = await read_model(request, cw.TrainingRunCreateIn)
@@ -90,9 +97,7 @@ async def create_training_run(state: PytrioState, request: Request, tenant: str)
                       run_index=len(session.training) + 1, alias=alias,
                       model_id=state.service.models.tokenizer_id(alias), lora=spec, source_uri=uri,
                       restore_optimizer=body.restore_optimizer and bool(uri), created=now, last_seen=now)
-    options = state.options
-    run.events = EventTable(options.pytrio_events_per_run, options.pytrio_event_ttl,
-                            partial(training.execute, state, run), options.pytrio_event_answer_bytes)
+    run.events = new_events(state, run)
     state.add_training(run, session)
     models.preload(state, alias)
     return cw.TrainingRunCreatedOut(
@@ -124,7 +129,7 @@ async def update_training_run(state: PytrioState, request: Request, tenant: str)
                                                              f"this training run in: {', '.join(differ)}",
                           "source_checkpoint_uri")
     run.source_uri, run.restore_optimizer = body.source_checkpoint_uri, body.restore_optimizer
-    token, expires = state.tokens.renew(run.cuid)
+    token, expires = state.renew(run)
     return cw.TrainingRunUpdatedOut(source_checkpoint_uri=run.source_uri, restore_optimizer=run.restore_optimizer,
                                     trainer=models.trainer_limits(state, run.alias), actor=actor_out(request),
                                     actor_jwt=jwt_out(token, expires))
@@ -155,7 +160,7 @@ async def create_sampling_run(state: PytrioState, request: Request, tenant: str)
 async def renew_training_run(state: PytrioState, request: Request, tenant: str):
     run = state.training_run(request.path_params["run"], tenant)
     state.touch_session(run.session_cuid)
-    token, expires = state.tokens.renew(run.cuid)
+    token, expires = state.renew(run)
     return cw.TrainingRunRenewedOut(training_run_cuid=run.cuid, service_session_cuid=run.session_cuid,
                                     workspace_cuid=workspace_of(tenant), actor=actor_out(request),
                                     actor_jwt=jwt_out(token, expires))
@@ -164,7 +169,7 @@ async def renew_training_run(state: PytrioState, request: Request, tenant: str):
 async def renew_sampling_run(state: PytrioState, request: Request, tenant: str):
     run = state.sampling_run(request.path_params["run"], tenant)
     state.touch_session(run.session_cuid)
-    token, expires = state.tokens.renew(run.cuid)
+    token, expires = state.renew(run)
     return cw.SamplingRunRenewedOut(sampling_run_cuid=run.cuid, service_session_cuid=run.session_cuid,
                                     workspace_cuid=workspace_of(tenant), actor=actor_out(request),
                                     actor_jwt=jwt_out(token, expires))

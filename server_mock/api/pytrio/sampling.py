@@ -48,17 +48,24 @@ def service_request(body: SampleIn) -> SampleRequest:
         return_text=body.return_text)
 
 
-def answer(run: SamplingRun, body: SampleIn, result: dict) -> dict:
+def answer_shape(body: SampleIn) -> dict:
+    """What of a request its answer depends on (journaled with it, so that its answer is the same after a
+    restart)."""
+    return {"request_id": body.request_id, "token_logprobs": body.return_token_logprobs, "text": body.return_text,
+            "prompt_logprobs": body.return_prompt_logprobs, "topk": body.topk_prompt_logprobs}
+
+
+def answer(run_cuid: str, shape: dict, result: dict) -> dict:
     sequences = [SampleSequenceOut(tokens=list(s["tokens"]),
-                                   logprobs=[_finite(x) for x in s["logprobs"]] if body.return_token_logprobs else [],
-                                   text=s.get("text") if body.return_text else None, stop_reason=s["stop_reason"])
+                                   logprobs=[_finite(x) for x in s["logprobs"]] if shape["token_logprobs"] else [],
+                                   text=s.get("text") if shape["text"] else None, stop_reason=s["stop_reason"])
                  for s in result["sequences"]]
-    prompt = [_finite(x) for x in result.get("prompt_logprobs") or []] if body.return_prompt_logprobs else None
+    prompt = [_finite(x) for x in result.get("prompt_logprobs") or []] if shape["prompt_logprobs"] else None
     topk = None
-    if body.topk_prompt_logprobs:
+    if shape["topk"]:
         topk = [None if row is None else [(int(t), _finite(lp)) for t, lp in row]
                 for row in result.get("topk_prompt_logprobs") or []]
-    out = SampleOut(request_id=body.request_id, sampling_run=run.cuid, sequences=sequences, prompt_logprobs=prompt,
+    out = SampleOut(request_id=shape["request_id"], sampling_run=run_cuid, sequences=sequences, prompt_logprobs=prompt,
                     topk_prompt_logprobs=topk, usage=SampleUsageOut(input_tokens=result.get("input_tokens", 0),
                                                                     output_tokens=result.get("output_tokens", 0)))
     return out.model_dump(mode="json")
@@ -75,13 +82,22 @@ async def sample(state: PytrioState, request: Request):
     body = await read_model(request, SampleIn, state.service.limits.max_body_bytes)
     task = run.samples.get(body.request_id)
     if task is None:
-        job = await state.service.samplers.submit_async(run.sampler_id, service_request(body), run.tenant)
-        task = asyncio.ensure_future(job_result(job, lambda result: answer(run, body, result)))
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # read by respond(); never "unretrieved"
-        run.samples[body.request_id] = task
-        while len(run.samples) > REMEMBERED_REQUESTS:
-            run.samples.popitem(last=False)
+        shape = answer_shape(body)
+        job = await state.service.samplers.submit_async(run.sampler_id, service_request(body), run.tenant,
+                                                        front={"protocol": "pytrio", "sampling_run": run.cuid,
+                                                               "shape": shape})
+        task = remember(run, shape, job)
     return await respond(task, state.options.pytrio_sample_keepalive)
+
+
+def remember(run: SamplingRun, shape: dict, job) -> asyncio.Future:
+    """The task answering the request (and a retry of it: same ``request_id``) once ``job`` ends."""
+    task = asyncio.ensure_future(job_result(job, lambda result: answer(run.cuid, shape, result)))
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())  # read by respond(); never "unretrieved"
+    run.samples[shape["request_id"]] = task
+    while len(run.samples) > REMEMBERED_REQUESTS:
+        run.samples.popitem(last=False)
+    return task
 
 
 async def respond(task: asyncio.Future, keepalive: float) -> Response:

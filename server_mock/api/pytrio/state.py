@@ -5,11 +5,13 @@ Identifiers: a service session is ``ss_<hex>``; a training run's cuid is the ser
 so its checkpoints' ``trio://<run>/...`` paths name it and every protocol lists them under the same run; a
 sampling run is ``sr_<hex>``. Everything is per tenant (API key): another tenant's objects answer 404.
 
-Nothing here is durable: after a restart the SDK's runs are gone (its calls get 401/404), the checkpoints on disk
-stay. Nothing piles up either: sessions per key are capped and idle ones closed; a training run whose client
-stopped beating releases its adapter; sampling runs (the SDK never closes them, GRPO makes one per step) are kept
-per key up to a count, least recently used first out, and expire when idle; temporary sampler weights expire at
-their TTL. Every bound has a ``--pytrio-*`` flag (config.PytrioOptions, docs/reliability.md).
+Under ``--durability full`` all of it is recorded (``durable.py``) and comes back after a restart
+(``restart.py``): the SDK, retrying its connection meanwhile, carries on with the same tokens, runs and events.
+Under ``checkpoint-only`` it is memory only: after a restart the SDK's runs are gone (its calls get 401/404),
+the checkpoints on disk stay. Nothing piles up: sessions per key are capped and idle ones closed; a training run
+whose client stopped beating releases its adapter; sampling runs (the SDK never closes them, GRPO makes one per
+step) are kept per key up to a count, least recently used first out, and expire when idle; temporary sampler
+weights expire at their TTL. Every bound has a ``--pytrio-*`` flag (config.PytrioOptions, docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from pytrio_compat.wire import LoraSpec
+from server_mock.api.pytrio.durable import PytrioJournal
 from server_mock.api.pytrio.events import EventTable
 from server_mock.api.pytrio.tokens import ActorTokens
 from server_mock.config import PytrioOptions
@@ -110,6 +113,7 @@ class PytrioState:
         self.training: dict[str, TrainingRun] = {}
         self.sampling: dict[str, OrderedDict[str, SamplingRun]] = {}  # tenant -> its runs, least recently used first
         self.temporary: dict[str, TemporaryWeights] = {}  # trio:// path -> expiry
+        self.journal = PytrioJournal(service.journal)
         self._tasks: set[asyncio.Task] = set()
 
     def spawn(self, work: Awaitable, what: str) -> None:
@@ -135,6 +139,7 @@ class PytrioState:
                               f"to close after --pytrio-session-ttl={self.options.pytrio_session_ttl:g} s")
         now = self.clock()
         session = Session("ss_" + uuid.uuid4().hex[:20], tenant, sdk_version, now, now)
+        self.journal.session(session)
         self.sessions[session.cuid] = session
         return session
 
@@ -153,6 +158,7 @@ class PytrioState:
         """Release everything the session owns: training runs (their adapters), sampling runs, tokens and its
         temporary sampler weights. Checkpoints on disk stay."""
         self.sessions.pop(session.cuid, None)
+        self.journal.session_closed(session.cuid)
         session.status = status
         for cuid in list(session.training):
             run = self.training.get(cuid)
@@ -172,9 +178,26 @@ class PytrioState:
 
     def add_training(self, run: TrainingRun, session: Session) -> TrainingRun:
         run.token, run.token_expires = self.tokens.mint(run.tenant, "training", run.cuid, session.cuid)
+        self.save_training(run)
         self.training[run.cuid] = run
         session.training.append(run.cuid)
         return run
+
+    def save_training(self, run: TrainingRun) -> None:
+        """Record the run as it is now (``--durability full``)."""
+        self.journal.training_run(run, self.tokens.written(run.cuid))
+
+    def renew(self, run: TrainingRun | SamplingRun) -> tuple[str, float]:
+        """The run's token with a fresh expiry (recorded: a renewal after a restart mints a new token)."""
+        token, expires = self.tokens.renew(run.cuid)
+        if isinstance(run, TrainingRun):
+            self.save_training(run)
+        else:
+            self.journal.sampling_run(run, self.tokens.written(run.cuid))
+        return token, expires
+
+    def forget_event(self, run: TrainingRun, event) -> None:
+        self.journal.event_forgotten(run.cuid, event)
 
     def training_run(self, cuid: str, tenant: str) -> TrainingRun:
         run = self.training.get(cuid)
@@ -194,6 +217,7 @@ class PytrioState:
         """Forget the run: its token stops working, queued events fail, its adapter is dropped (in the tenant's lane,
         after the ops already queued there)."""
         self.training.pop(run.cuid, None)
+        self.journal.training_released(run.cuid)
         self.tokens.revoke(run.cuid)
         session = self.sessions.get(run.session_cuid)
         if session is not None and run.cuid in session.training:
@@ -212,6 +236,7 @@ class PytrioState:
 
     def add_sampling(self, run: SamplingRun, session: Session) -> SamplingRun:
         run.token, run.token_expires = self.tokens.mint(run.tenant, "sampling", run.cuid, session.cuid)
+        self.journal.sampling_run(run, self.tokens.written(run.cuid))
         mine = self.sampling.setdefault(run.tenant, OrderedDict())
         mine[run.cuid] = run
         session.sampling.append(run.cuid)
@@ -240,6 +265,7 @@ class PytrioState:
         mine.pop(run.cuid, None)
         if not mine:
             self.sampling.pop(run.tenant, None)
+        self.journal.sampling_released(run.cuid)
         self.tokens.revoke(run.cuid)
         session = self.sessions.get(run.session_cuid)
         if session is not None and run.cuid in session.sampling:
@@ -252,9 +278,11 @@ class PytrioState:
 
     def keep_temporary(self, path: str, tenant: str, session_cuid: str, ttl: float) -> None:
         self.temporary[path] = TemporaryWeights(tenant, session_cuid, self.clock() + ttl)
+        self.journal.temporary(path, self.temporary[path])
 
     def _drop_temporary(self, path: str) -> None:
         self.temporary.pop(path, None)
+        self.journal.temporary_dropped(path)
         self.service.checkpoints.snapshots.pop(path)
 
     # --- collection -----------------------------------------------------------------------------------------
@@ -268,6 +296,7 @@ class PytrioState:
             self._drop_temporary(path)
         for path in [p for p in self.temporary if p not in self.service.checkpoints.snapshots]:
             del self.temporary[path]  # evicted by the per-key snapshot limit already
+            self.journal.temporary_dropped(path)
         for runs in list(self.sampling.values()):
             for run in [r for r in runs.values() if now - r.last_used > options.pytrio_sampling_run_ttl]:
                 self.release_sampling(run)

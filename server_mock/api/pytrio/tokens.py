@@ -6,6 +6,10 @@ random bits, not a JWT: unguessable, bound to one tenant and one run (training o
 (the same token gets a later expiry, so requests in flight with it keep working), and revoked when its run is
 released. Tokens are looked up by their SHA-256, never compared as strings. They are not API keys: Actor routes
 resolve their caller here, never through ``Auth.tenant``.
+
+Only the SHA-256 is ever written down (``--durability full``, ``api/pytrio/durable.py``): a grant restored after a
+restart opens its run for the token the SDK holds, and its first renewal mints a new token (the plain one is
+unknown), while the old one keeps working until its own expiry.
 """
 
 from __future__ import annotations
@@ -40,7 +44,8 @@ class ActorTokens:
         self.ttl = ttl
         self.clock = clock
         self._grants: dict[bytes, Grant] = {}
-        self._by_run: dict[str, tuple[str, bytes]] = {}  # run cuid -> (token, its digest)
+        self._by_run: dict[str, tuple[str | None, bytes]] = {}  # run cuid -> (token, its digest); None: restored
+        self._before: dict[str, bytes] = {}  # run cuid -> a restored token's digest, valid until it expires
 
     def __len__(self) -> int:
         return len(self._grants)
@@ -56,12 +61,20 @@ class ActorTokens:
         return token, grant.expires_at
 
     def renew(self, run_cuid: str) -> tuple[str, float]:
-        """The run's token with a fresh expiry (a run without one gets a new token)."""
+        """The run's token with a fresh expiry (a run restored after a restart gets a new token)."""
         held = self._by_run.get(run_cuid)
         if held is None:
             raise KeyError(run_cuid)
         token, digest = held
         grant = self._grants[digest]
+        if token is None:  # restored: only its digest is known
+            self._by_run.pop(run_cuid)
+            self._before[run_cuid] = digest
+            token = PREFIX + secrets.token_urlsafe(32)
+            grant = Grant(grant.tenant, grant.kind, run_cuid, grant.session_cuid, 0.0)
+            digest = _digest(token)
+            self._grants[digest] = grant
+            self._by_run[run_cuid] = (token, digest)
         grant.expires_at = self.clock() + self.ttl
         return token, grant.expires_at
 
@@ -69,6 +82,22 @@ class ActorTokens:
         held = self._by_run.pop(run_cuid, None)
         if held is not None:
             self._grants.pop(held[1], None)
+        before = self._before.pop(run_cuid, None)
+        if before is not None:
+            self._grants.pop(before, None)
+
+    def written(self, run_cuid: str) -> tuple[str, float] | None:
+        """What is recorded of the run's current token: its digest (hex) and expiry."""
+        held = self._by_run.get(run_cuid)
+        if held is None:
+            return None
+        return held[1].hex(), self._grants[held[1]].expires_at
+
+    def restore(self, digest_hex: str, grant: Grant) -> None:
+        """A grant recorded before a restart (``written``), for the token the client still holds."""
+        digest = bytes.fromhex(digest_hex)
+        self._grants[digest] = grant
+        self._by_run[grant.run_cuid] = (None, digest)
 
     def resolve(self, authorization: str | None) -> Grant:
         """The grant of ``Authorization: Bearer <token>``; 401 for a missing, unknown, revoked or expired token."""

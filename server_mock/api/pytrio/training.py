@@ -12,6 +12,8 @@ the SDK counts them, so the SDK's own ``loss_mean = sum(loss_sum) / sum(token_co
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+from collections.abc import Callable
 from functools import partial
 
 import numpy as np
@@ -25,13 +27,21 @@ from server_mock.engine.queue import Job
 from server_mock.errors import WorkerError
 from server_mock.service.checkpoints import checkpoint_id
 from server_mock.service.ops import ForwardBatch
+from server_mock.storage import crash_points
 
 IGNORE = wire.IGNORE_INDEX
 DEFAULT_TEMPORARY_TTL = 21600  # what the SDK sends for save_weights_and_get_sampling_client
 
 
 async def execute(state: PytrioState, run: TrainingRun, event: Event) -> None:
-    """Start one admitted event (in index order); it ends when its service job does."""
+    """Start one admitted event (in index order); it ends when its service job does. An event that ends without
+    one (refused, or a failed init) is recorded with its answer (``--durability full``)."""
+    await _start(state, run, event)
+    if event.finished and event.type != "trainer.end_run":
+        state.journal.event(run, event)
+
+
+async def _start(state: PytrioState, run: TrainingRun, event: Event) -> None:
     if event.type == "trainer.init_run":
         await _init(state, run, event)
         return
@@ -53,6 +63,48 @@ async def execute(state: PytrioState, run: TrainingRun, event: Event) -> None:
         event.fail(exc.code, exc.message)
 
 
+def front(run: TrainingRun, event: Event, answer: dict) -> dict:
+    """What is journaled with the event's service op: the event, and what building its answer again needs."""
+    return {"protocol": "pytrio", "run": run.cuid, "event_id": event.event_id, "type": event.type,
+            "index": event.index, "digest": event.digest.hex(), "answer": answer}
+
+
+def finisher(state: PytrioState, run: TrainingRun, event: Event,
+             answer: dict) -> Callable[[Job], bytes | wire.EventStatusOut]:
+    """What turns the event's finished service job into its answer. The answer is built on the model's thread
+    (``encoder``); a job queued again after a restart has no encoder, and its answer is built here."""
+    encoder = encoder_of(run, event, answer)
+    usage = wire.UsageOut(**answer["usage"]) if "usage" in answer else None
+
+    def finish(job: Job):
+        if job.status == "succeeded" and job.result is not None and "answer" not in job.result:
+            job.result = encoder(job.result)
+        saved = job.status == "succeeded" and job.result and answer["kind"] == "save" and answer["in_memory"]
+        if saved and job.result["path"] not in state.temporary:  # (already there: restored after a restart)
+            state.keep_temporary(job.result["path"], run.tenant, run.session_cuid, float(answer["ttl"]))
+        return _answer(event, job, usage)
+
+    return finish
+
+
+def encoder_of(run: TrainingRun, event: Event, answer: dict) -> Callable[[dict], dict]:
+    """The model-thread encoder of an event's result, from what ``front`` recorded of it."""
+    kind = answer["kind"]
+    if kind == "forward":
+        return partial(encode_forward, event.event_id, event.type, wire.ChunkCounts(**answer["counts"]),
+                       answer["auto_shift"], wire.UsageOut(**answer["usage"]))
+    if kind == "optim":
+        return partial(_optim_answer, event.event_id, event.type)
+    return partial(_save_answer, event.event_id, event.type, run.model_id)
+
+
+def _handoff(state: PytrioState, run: TrainingRun, event: Event, work, answer: dict) -> None:
+    """Queue the event's op on the service's run (journaled with ``front``) and end the event when it does."""
+    admission = state.service.runs.submit(run.cuid, work, run.tenant, seq_id=None,
+                                          encode=encoder_of(run, event, answer), front=front(run, event, answer))
+    run.events.watch(event, admission.job, finisher(state, run, event, answer))
+
+
 def _answer(event: Event, job: Job, usage: wire.UsageOut | None = None) -> bytes | wire.EventStatusOut:
     """A finished job's answer: the one its ``encode`` built on the model's thread, or its error."""
     if job.status == "succeeded" and job.result is not None and "answer" in job.result:
@@ -68,6 +120,7 @@ def _answer(event: Event, job: Job, usage: wire.UsageOut | None = None) -> bytes
 async def _init(state: PytrioState, run: TrainingRun, event: Event) -> None:
     payload: wire.InitRunIn = event.payload
     service, tenant = state.service, run.tenant
+    crash_points.reached("init_run")  # (kill tests) acknowledged and recorded, no adapter yet
     lora = payload.lora_config
     spec = LoraSpec(rank=lora.rank, seed=lora.seed, train_mlp=lora.train_mlp, train_attn=lora.train_attn,
                     train_unembed=lora.train_unembed)
@@ -81,6 +134,7 @@ async def _init(state: PytrioState, run: TrainingRun, event: Event) -> None:
         made = await service.runs.create(body, tenant, new_id=run.cuid)
     except WorkerError as exc:
         run.init = "none"  # the SDK raises in the call that triggered init, and sends a new init_run next time
+        state.save_training(run)
         event.fail(exc.code, exc.message)
         return
     if state.training.get(run.cuid) is not run:  # released while its adapter was made
@@ -89,6 +143,7 @@ async def _init(state: PytrioState, run: TrainingRun, event: Event) -> None:
         return
     run.init, run.status = "ready", "ACTIVE"
     run.lora = made.spec
+    state.save_training(run)
     event.finish(wire.succeeded(event.event_id, event.type, wire.EmptyResultOut(), wire.UsageOut()))
 
 
@@ -172,17 +227,17 @@ async def _forward(state: PytrioState, run: TrainingRun, event: Event) -> None:
     except WorkerError as exc:
         event.fail(exc.code, exc.message, usage)
         return
-    encoder = partial(encode_forward, event.event_id, event.type, counts, payload.auto_shift, usage)
-    admission = runs.submit(run.cuid, prepared, run.tenant, seq_id=None, encode=encoder)
-    run.events.watch(event, admission.job, lambda job: _answer(event, job, usage))
+    answer = {"kind": "forward", "counts": dataclasses.asdict(counts), "auto_shift": payload.auto_shift,
+              "usage": usage.model_dump()}
+    _handoff(state, run, event, prepared, answer)
 
 
 # --- optimize_step ------------------------------------------------------------------------------------------------
 
 
 def _optim_answer(event_id: str, event_type: str, result: dict) -> dict:
-    metrics = {k: float(v) for k, v in result.get("metrics", {}).items()
-               if isinstance(v, (int, float)) and np.isfinite(v)}
+    metrics = {k: float(v) for k, v in result.get("metrics", {}).items()  # (time/*: the queue's, not the step's)
+               if isinstance(v, (int, float)) and np.isfinite(v) and not k.startswith("time/")}
     answer = wire.succeeded(event_id, event_type, wire.OptimResultOut(metrics=metrics), wire.UsageOut())
     return {"answer": encode(answer)}
 
@@ -190,9 +245,7 @@ def _optim_answer(event_id: str, event_type: str, result: dict) -> dict:
 def _optimize(state: PytrioState, run: TrainingRun, event: Event) -> None:
     payload: wire.OptimizeStepIn = event.payload
     op = OptimStepOp(adam_params=AdamParams(**payload.adam_params.model_dump()))
-    admission = state.service.runs.submit(run.cuid, op, run.tenant, seq_id=None,
-                                          encode=partial(_optim_answer, event.event_id, event.type))
-    run.events.watch(event, admission.job, lambda job: _answer(event, job))
+    _handoff(state, run, event, op, {"kind": "optim"})
 
 
 # --- save_state / save_weights ------------------------------------------------------------------------------------
@@ -208,18 +261,11 @@ def _save(state: PytrioState, run: TrainingRun, event: Event) -> None:
     in_memory = sampler and temporary
     op = SaveOp(op="save_weights_for_sampler" if sampler else "save_state", name=payload.name,
                 ttl_seconds=None if in_memory else ttl, overwrite=payload.overwrite, ephemeral=in_memory)
-    model_id = run.model_id
+    _handoff(state, run, event, op, {"kind": "save", "in_memory": in_memory, "ttl": ttl})
 
-    def encoder(result: dict) -> dict:
-        checkpoint = wire.CheckpointResultOut(uri=result["path"], size_bytes=int(result["size"]), model_id=model_id,
-                                              checkpoint_cuid=checkpoint_id(result["path"]))
-        answer = wire.succeeded(event.event_id, event.type, wire.SaveResultOut(checkpoint=checkpoint), wire.UsageOut())
-        return {"answer": encode(answer), "path": result["path"]}
 
-    def finish(job: Job):
-        if in_memory and job.status == "succeeded" and job.result:
-            state.keep_temporary(job.result["path"], run.tenant, run.session_cuid, float(ttl))
-        return _answer(event, job)
-
-    admission = state.service.runs.submit(run.cuid, op, run.tenant, seq_id=None, encode=encoder)
-    run.events.watch(event, admission.job, finish)
+def _save_answer(event_id: str, event_type: str, model_id: str, result: dict) -> dict:
+    checkpoint = wire.CheckpointResultOut(uri=result["path"], size_bytes=int(result["size"]), model_id=model_id,
+                                          checkpoint_cuid=checkpoint_id(result["path"]))
+    answer = wire.succeeded(event_id, event_type, wire.SaveResultOut(checkpoint=checkpoint), wire.UsageOut())
+    return {"answer": encode(answer), "path": result["path"]}
