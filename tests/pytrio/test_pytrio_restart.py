@@ -18,6 +18,7 @@ import uvicorn
 from pytrio_raw import RawClient, Session, datum, envelope, event_id, totals
 from support import WorkerProcess
 
+from server_mock.api.pytrio.events import MAX_WAITING
 from server_mock.app import create_app
 from server_mock.config import PytrioOptions
 from server_mock.service.worker import WorkerService
@@ -119,9 +120,10 @@ def in_process(service: WorkerService, options: PytrioOptions):
 
 
 def test_events_acknowledged_before_their_hand_off_run_after_a_restart(tiny_model_dir, model_id, tmp_path):
-    # the init_run hangs (as a slow model load would), so the forward_backward behind it cannot be handed to the
-    # service within --pytrio-ack-wait: it is acknowledged with its body recorded. A new worker on the storage runs
-    # both, in index order, and the events answer under their ids
+    # the init_run hangs (as a slow model load would), so the events behind it cannot be handed to the service
+    # within --pytrio-ack-wait: each is acknowledged with its body recorded, up to MAX_WAITING of them; one more is
+    # refused with its index left free. A new worker on the storage runs them all, in index order, and each answers
+    # under its id
     storage = tmp_path / "storage"
     service = WorkerService({"tiny": str(tiny_model_dir)}, storage, "cpu", torch.float32)
 
@@ -129,15 +131,20 @@ def test_events_acknowledged_before_their_hand_off_run_after_a_restart(tiny_mode
         await asyncio.Event().wait()
 
     service.runs.create = hang
-    server, thread, url = in_process(service, PytrioOptions(pytrio_ack_wait=0.2))
+    server, thread, url = in_process(service, PytrioOptions(pytrio_ack_wait=0.05))
     client = RawClient(url, KEY)
     lora = {"rank": 8, "seed": 7, "train_mlp": True, "train_attn": True, "train_unembed": True}
+    probe = fb()
     try:
         run = Session(client).training_run()
         init = run.submit("trainer.init_run", {"base_model": model_id, "lora_config": lora})
         pending = run.submit("trainer.forward_backward", fb())
         optim = run.submit("trainer.optimize_step", {"adam_params": ADAM_DEFAULTS})
-        assert [a["status"] for a in (init, pending, optim)] == ["accepted"] * 3
+        forwards = [run.submit("trainer.forward", probe) for _ in range(MAX_WAITING - 2)]
+        assert {a["status"] for a in (init, pending, optim, *forwards)} == {"accepted"}
+        late_id = event_id()
+        late = run.submit("trainer.forward", probe, eid=late_id, index=run.index)
+        assert (late["status"], late["error"]["code"]) == ("failed", "too_many_queued_events")
     finally:
         client.close()
         server.should_exit = True
@@ -151,14 +158,22 @@ def test_events_acknowledged_before_their_hand_off_run_after_a_restart(tiny_mode
         ran = run.poll(pending["event_id"])
         stepped = run.poll(optim["event_id"])
         assert ran["status"] == "succeeded" and stepped["status"] == "succeeded"
-        # the same events on a fresh run of the same seed: the same loss and the same step, so each ran once
+        looked = [run.poll(f["event_id"]) for f in forwards]
+        assert {a["status"] for a in looked} == {"succeeded"}
+        # the same events on a fresh run of the same seed: the same loss and the same step, so each ran once, in
+        # order (the forwards after the step see the stepped weights)
         fresh = Session(client).training_run()
         assert fresh.init(model_id)["status"] == "succeeded"
         expected = fresh.run("trainer.forward_backward", fb())
         expected_step = fresh.run("trainer.optimize_step", {"adam_params": ADAM_DEFAULTS})
+        expected_probe = fresh.run("trainer.forward", probe)
         assert ran["result"]["metrics"] == expected["result"]["metrics"]
         assert stepped["result"]["metrics"] == expected_step["result"]["metrics"]
-        assert run.run("trainer.forward", fb())["status"] == "succeeded"  # index 4 is next
+        assert looked[-1]["result"] == expected_probe["result"]
+        again = run.submit("trainer.forward", probe, eid=late_id, index=run.index)  # its index was left free
+        while again["status"] in ("accepted", "running"):
+            again = run.poll(late_id)
+        assert again["status"] == "succeeded"
     finally:
         client.close()
         worker.stop()

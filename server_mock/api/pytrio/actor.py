@@ -25,7 +25,7 @@ from starlette.responses import Response
 from server_mock.api import bodies
 from server_mock.api.pytrio import event_wire as wire
 from server_mock.api.pytrio.endpoint import first_error
-from server_mock.api.pytrio.events import Event
+from server_mock.api.pytrio.events import MAX_WAITING, Event
 from server_mock.api.pytrio.msgpack_codec import MEDIA_TYPE, MsgpackError, MsgpackLimits, decode
 from server_mock.api.pytrio.state import PytrioState, TrainingRun
 from server_mock.api.pytrio.tokens import Grant
@@ -115,6 +115,11 @@ async def submit_event(state: PytrioState, request: Request):
         if envelope.metadata.index != table.next_index:
             event.fail("out_of_order", f"metadata.index: expected {table.next_index}, got "
                                        f"{envelope.metadata.index} (events of a run are submitted in order)")
+            table.record(event, advance=False)
+            return msgpack_response(event.answer)
+        if table.waiting() >= MAX_WAITING:  # behind an init that is slow to finish; the index stays free
+            event.fail("too_many_queued_events", f"{MAX_WAITING} events of this run wait for the ones before them "
+                                                 "to start; send this one again once they have")
             table.record(event, advance=False)
             return msgpack_response(event.answer)
         try:

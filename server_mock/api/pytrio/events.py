@@ -22,6 +22,7 @@ from server_mock.api.pytrio import event_wire as wire
 from server_mock.api.pytrio.msgpack_codec import encode
 from server_mock.engine.queue import Job
 
+MAX_WAITING = 16  # admitted events of a run not started yet; one more is refused (it may be sent again)
 logger = logging.getLogger("server_mock")
 
 
@@ -94,6 +95,11 @@ class EventTable:
 
     def pending(self) -> int:
         return sum(1 for e in self.events.values() if not e.finished)
+
+    def waiting(self) -> int:
+        """Admitted events not started yet (the SDK has at most one: it submits the next once this one is
+        acknowledged, and it is acknowledged once started)."""
+        return len(self._queue)
 
     def record(self, event: Event, advance: bool = True) -> None:
         """Keep ``event`` (answered now, or ``admit``-ed next) under its id; ``advance`` uses up its index."""

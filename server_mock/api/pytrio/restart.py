@@ -51,7 +51,8 @@ async def restore(state: PytrioState) -> dict[str, int]:
     events = _events_by_run(db)
     for cuid, tenant, value in sorted(db.records(TRAINING), key=lambda r: r[2]["created"]):
         session = state.sessions.get(value["session"])
-        if session is None:
+        if session is None:  # closed just before the crash: what it owned is released now
+            await _drop_service_run(state, cuid, tenant)
             state.journal.training_released(cuid)
             continue
         run = TrainingRun(cuid=cuid, tenant=tenant, session_cuid=session.cuid, run_index=value["run_index"],
@@ -82,6 +83,13 @@ async def restore(state: PytrioState) -> dict[str, int]:
         counts["pytrio_sampling_runs"] += 1
     _restore_samples(state)
     return counts
+
+
+async def _drop_service_run(state: PytrioState, cuid: str, tenant: str) -> None:
+    try:
+        await state.service.runs.delete(cuid, tenant)
+    except WorkerError:
+        pass  # it never got an adapter
 
 
 def _events_by_run(db) -> dict[str, dict[str, dict]]:

@@ -217,7 +217,6 @@ class PytrioState:
         """Forget the run: its token stops working, queued events fail, its adapter is dropped (in the tenant's lane,
         after the ops already queued there)."""
         self.training.pop(run.cuid, None)
-        self.journal.training_released(run.cuid)
         self.tokens.revoke(run.cuid)
         session = self.sessions.get(run.session_cuid)
         if session is not None and run.cuid in session.training:
@@ -230,6 +229,7 @@ class PytrioState:
                 await self.service.runs.delete(run.cuid, run.tenant)
             except WorkerError:
                 pass  # it never got an adapter, or it is already gone
+        self.journal.training_released(run.cuid)  # after its adapter: a crash between leaves no adapter unowned
         logger.info("pytrio: released training run %s (%s)", run.cuid, reason)
 
     # --- sampling runs --------------------------------------------------------------------------------------
