@@ -1,5 +1,6 @@
 """Step time of the sync recipe vs the async recipe on the same configuration (batch 4 x group 8), with the
-worker's prefix-shared training on (its default) and off.
+worker's prefix-shared training on (its default) and off, or (``--settings full,checkpoint-only``) with its
+``--durability`` full (the default) and checkpoint-only.
 
 Each recipe runs against a worker started for this process (one per setting, so both recipes see the same
 worker); the async recipe's concurrent sample requests are decoded as one batch by the worker, the sync
@@ -20,7 +21,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "recipes"))
 from benchmarks.common import SMOLLM2, median, save  # noqa: E402
 
-SETTINGS = {"shared": (), "unshared": ("--prefix-share-min-tokens", "0")}  # worker options per setting
+SETTINGS = {"shared": (), "unshared": ("--prefix-share-min-tokens", "0"),  # worker options per setting
+            "full": ("--durability", "full"), "checkpoint-only": ("--durability", "checkpoint-only")}
 RECIPES = {"sync": "01-demo-sync.py", "async": "02-demo-async.py"}
 
 
@@ -73,7 +75,11 @@ def main(argv=None) -> dict:
         result["shared_over_unshared"] = {
             f"{name}/{key}": result["shared"][name][key] / result["unshared"][name][key]
             for name in RECIPES for key in ("time/step", "time/train")}
-    save("recipe_step_time", result)
+    if {"full", "checkpoint-only"} <= set(result):
+        result["full_over_checkpoint_only"] = {
+            f"{name}/{key}": result["full"][name][key] / result["checkpoint-only"][name][key]
+            for name in RECIPES for key in ("time/step", "time/train", "time/sample")}
+    save("recipe_step_time" if "full" not in result else "recipe_step_time_durability", result)
     return result
 
 
