@@ -108,8 +108,8 @@ class Runtime:
         """Send one request, retrying connection errors and 408/429/5xx with backoff inside a window.
 
         Non-idempotent creations carry an Idempotency-Key so a resent request is answered, not redone.
-        ``max_attempts`` (downloads) also stops after that many attempts, inside the window.
-        """
+        ``max_attempts`` (downloads) also stops after that many attempts, inside the window; a connection that
+        cannot be made (the worker is not listening, e.g. while it restarts) is not an attempt."""
         cfg = self.config
         window = cfg.control_retry_timeout_seconds if retry_window is None else retry_window
         content = None
@@ -126,12 +126,12 @@ class Runtime:
         told_about_limit = False
         attempts = 0
         while True:
-            attempts += 1
             try:
                 response = await self.http.request(
                     method, path, content=content, params=params, headers=headers,
                     timeout=timeout or cfg.request_timeout_seconds,
                 )
+                attempts += 1
                 if response.status_code < 400:
                     return response.json()
                 error = _error_from_response(response, op)
@@ -144,6 +144,8 @@ class Runtime:
                     logger.warning("%s is waiting: %s (retrying for up to %.0fs)", op,
                                    getattr(error, "message", error), window)
             except _RETRYABLE_EXCEPTIONS as exc:
+                # a connection that could not be made reached no worker (one restarting): only the window ends that
+                attempts += not isinstance(exc, httpx.ConnectError)
                 last = ConnectionFailedError(
                     f"could not reach the worker at {self.base_url}: {type(exc).__name__}: {exc}",
                     hint="check that the worker is running and the base URL is right",

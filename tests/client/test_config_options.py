@@ -14,16 +14,18 @@ import pytest
 
 import pytrio_compat as trio
 from pytrio_compat import config
-from pytrio_compat.errors import APIError, ConfigurationError
+from pytrio_compat.errors import APIError, ConfigurationError, ConnectionFailedError
 
 
 class Recorder(httpx.AsyncBaseTransport):
     """Passes requests to the worker; records their timeouts and how many sample / training requests were
     submitted and not yet finished at once. Can fail the tokenizer download and slow down polls."""
 
-    def __init__(self, fail_tokenizer: int = 0, poll_delay: float = 0.0, fail_suffix: str | None = None) -> None:
+    def __init__(self, fail_tokenizer: int = 0, poll_delay: float = 0.0, fail_suffix: str | None = None,
+                 unreachable_tokenizer: int = 0) -> None:
         self.inner = httpx.AsyncHTTPTransport()
         self.fail_tokenizer, self.poll_delay, self.fail_suffix = fail_tokenizer, poll_delay, fail_suffix
+        self.unreachable_tokenizer = unreachable_tokenizer  # tokenizer requests refused a connection first
         self.failed_at: list[float] = []  # when each request ending in fail_suffix was answered 503
         self.requests: list[tuple[str, str, float | None, dict]] = []
         self.tokenizer_attempts = 0
@@ -37,6 +39,9 @@ class Recorder(httpx.AsyncBaseTransport):
         if self.fail_suffix and path.endswith(self.fail_suffix):
             self.failed_at.append(time.monotonic())
             return httpx.Response(503, json={"error": {"code": "unavailable", "message": "injected"}})
+        if path == "/v1/tokenizer" and self.unreachable_tokenizer:
+            self.unreachable_tokenizer -= 1
+            raise httpx.ConnectError("All connection attempts failed", request=request)
         if path == "/v1/tokenizer":
             self.tokenizer_attempts += 1
             if self.tokenizer_attempts <= self.fail_tokenizer:
@@ -98,6 +103,25 @@ def test_retry_max_attempts_bounds_the_tokenizer_download(worker):
     with trio.ServiceClient(base_url=worker.base_url, _transport=rec) as service:
         tokenizer = service.create_sampling_client(base_model="tiny").get_tokenizer()
     assert rec.tokenizer_attempts == 3 and len(tokenizer) > 0
+
+
+def test_retry_max_attempts_leaves_out_a_worker_that_cannot_be_reached(worker):
+    # a worker that is restarting refuses connections: those are no attempts of the download, so the tokenizer
+    # comes once it is back (five refusals, then 503 and an answer: attempts 2 of 2) ...
+    trio.configure(retry_max_attempts=2, retry_initial_delay_seconds=0.01, retry_max_delay_seconds=0.02)
+    rec = Recorder(unreachable_tokenizer=5, fail_tokenizer=1)
+    with trio.ServiceClient(base_url=worker.base_url, _transport=rec) as service:
+        tokenizer = service.create_sampling_client(base_model="tiny").get_tokenizer()
+    assert rec.unreachable_tokenizer == 0 and rec.tokenizer_attempts == 2 and len(tokenizer) > 0
+    # ... within the control retry window, which still ends the wait for one that never comes back
+    trio.configure(control_retry_timeout_seconds=0.3)
+    rec = Recorder(unreachable_tokenizer=10**6)
+    with trio.ServiceClient(base_url=worker.base_url, _transport=rec) as service:
+        sampler = service.create_sampling_client(base_model="tiny")
+        started = time.monotonic()
+        with pytest.raises(ConnectionFailedError, match="get_tokenizer"):
+            sampler.get_tokenizer()
+    assert rec.tokenizer_attempts == 0 and time.monotonic() - started >= 0.3
 
 
 def test_backoff_options_shape_the_retries_and_each_window_ends_them(worker, caplog):
