@@ -3,8 +3,9 @@ worker's prefix-shared training on (its default) and off, or (``--settings full,
 ``--durability`` full (the default) and checkpoint-only.
 
 Each recipe runs against a worker started for this process (one per setting, so both recipes see the same
-worker); the async recipe's concurrent sample requests are decoded as one batch by the worker, the sync
-recipe's one after the other. Medians over steps 1.. (step 0 includes loading the model).
+worker; each recipe runs on every setting before the next recipe starts); the async recipe's concurrent sample
+requests are decoded as one batch by the worker, the sync recipe's one after the other. Medians over steps 1..
+(step 0 includes loading the model).
 
     python benchmarks/recipe_step_time.py [--steps 4] [--settings shared,unshared]
 """
@@ -58,14 +59,18 @@ def main(argv=None) -> dict:
     unknown = sorted(set(settings) - set(SETTINGS))
     if unknown or args.steps < 2:
         parser.error(f"unknown settings {unknown}" if unknown else "--steps must be >= 2 (step 0 is not timed)")
-    result: dict = {}
-    for setting in settings:
-        worker = EmbeddedWorker(SETTINGS[setting])
-        try:
-            for name, script in RECIPES.items():
-                result.setdefault(setting, {})[name] = split(run(script, args, worker, setting))
-        finally:
+    result: dict = {setting: {} for setting in settings}
+    workers = {}
+    try:  # one worker per setting, all up at once; each recipe runs on every setting in turn, so load hits alike
+        for setting in settings:
+            workers[setting] = EmbeddedWorker(SETTINGS[setting])
+        for name, script in RECIPES.items():
+            for setting in settings:
+                result[setting][name] = split(run(script, args, workers[setting], setting))
+    finally:
+        for worker in workers.values():
             worker.stop()
+    for setting in settings:
         one = result[setting]
         one["async_over_sync_step_time"] = one["async"]["time/step"] / one["sync"]["time/step"]
         one["async_over_sync_sample_time"] = one["async"]["time/sample"] / one["sync"]["time/sample"]
