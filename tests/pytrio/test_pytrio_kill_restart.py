@@ -94,9 +94,10 @@ def test_kill_before_the_adapter_exists_runs_the_recorded_init_again(uninterrupt
 @pytest.mark.timeout(300)
 def test_events_recorded_and_journaled_both_run_once(uninterrupted, tiny_model_dir, tmp_path):
     # --pytrio-ack-wait 0: every event is acknowledged with its body recorded before it is handed to the service
-    # too; after the kill, the journaled op wins and no event runs twice (a second forward_backward would double the
-    # pending gradients, and the weights would differ)
+    # too; after the kill, an event whose op was journaled answers from the journal, never runs twice (a second
+    # forward_backward would double the pending gradients, and the weights would differ), and only the event the
+    # SDK sent behind the running one (the optim_step; when the kill came before its hand-off) runs again from its body
     report, state, supervised = run_killed(tiny_model_dir, tmp_path, "forward_backward:2", "--pytrio-ack-wait", "0")
     check(uninterrupted, report, state, supervised)
     counts = recovered(tmp_path)
-    assert counts["pytrio_events"] >= 4 and counts["pytrio_events_rerun"] == 0
+    assert counts["pytrio_events"] >= 4 and counts["pytrio_events_rerun"] <= 1, counts
