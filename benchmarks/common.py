@@ -57,6 +57,32 @@ def save(name: str, payload: dict) -> Path:
     return path
 
 
+def grpo_datums(T, n: int, length: int = 48) -> list:
+    """``n`` importance-sampling datums of ``length`` tokens, built with the SDK types in ``T`` (ours or pytrio's)."""
+    out = []
+    for i in range(n):
+        ids = [(13 * j + i) % 400 + 10 for j in range(length)]
+        out.append(T.Datum(model_input=T.ModelInput.from_ints(ids[:-1]), loss_fn_inputs={
+            "target_tokens": ids[1:], "logprobs": [-1.0] * (length - 1), "advantages": [0.5] * (length - 1)}))
+    return out
+
+
+def grpo_step(T, tc, datums: list, index: int) -> float:
+    """One GRPO-shaped step through a training client: a sampler snapshot, 4 seeded groups of 4 samples,
+    forward_backward then optim_step sent together; its seconds. ``T``: the SDK's types (ours or pytrio's)."""
+    started = time.perf_counter()
+    sampler = tc.save_weights_and_get_sampling_client()
+    futures = [sampler.sample(T.ModelInput.from_ints([5 + g, 6, 7, 8]), num_samples=4,
+                              sampling_params=T.SamplingParams(max_tokens=8, seed=index * 10 + g))
+               for g in range(4)]
+    for future in futures:
+        future.result()
+    fb = tc.forward_backward(datums, loss_fn="importance_sampling")
+    opt = tc.optim_step(T.AdamParams(learning_rate=1e-3))
+    fb.result(), opt.result()
+    return time.perf_counter() - started
+
+
 def sampler_minus_trainer(host, adapter, specs, results) -> list:
     """Per sampled sequence, its sampler logprobs minus the trainer's (one forward pass per request's sequences,
     no gradient) on the same tokens: numpy arrays, in order."""

@@ -25,6 +25,7 @@ import torch
 import uvicorn
 
 import pytrio_compat as trio
+from benchmarks.common import grpo_datums, grpo_step
 from server_mock.app import create_app
 from server_mock.config import StorageOptions
 from server_mock.service.recovery import recover
@@ -50,29 +51,6 @@ class Worker:
         self.thread.join(15)
 
 
-def step(tc, datums: list[trio.Datum], index: int) -> float:
-    started = time.perf_counter()
-    sampler = tc.save_weights_and_get_sampling_client()
-    futures = [sampler.sample(trio.ModelInput.from_ints([5 + g, 6, 7, 8]), num_samples=4,
-                              sampling_params=trio.SamplingParams(max_tokens=8, seed=index * 10 + g))
-               for g in range(4)]
-    for future in futures:
-        future.result()
-    fb = tc.forward_backward(datums, loss_fn="importance_sampling")
-    opt = tc.optim_step(trio.AdamParams(learning_rate=1e-3))
-    fb.result(), opt.result()
-    return time.perf_counter() - started
-
-
-def datums_for(n: int, length: int = 48) -> list[trio.Datum]:
-    out = []
-    for i in range(n):
-        ids = [(13 * j + i) % 400 + 10 for j in range(length)]
-        out.append(trio.Datum(model_input=trio.ModelInput.from_ints(ids[:-1]), loss_fn_inputs={
-            "target_tokens": ids[1:], "logprobs": [-1.0] * (length - 1), "advantages": [0.5] * (length - 1)}))
-    return out
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=6)
@@ -89,15 +67,15 @@ def main() -> None:
         model = str(make_tiny_model(Path(tempfile.mkdtemp()) / "tiny"))
     storages = {mode: tempfile.mkdtemp() for mode in ("full", "checkpoint-only")}
     workers = {mode: Worker(model, storage, mode) for mode, storage in storages.items()}
-    datums = datums_for(args.datums)
+    datums = grpo_datums(trio, args.datums)
     times: dict[str, list[float]] = {mode: [] for mode in workers}
     try:
         runs = {mode: w.client.create_lora_training_client("m", rank=args.rank, seed=1) for mode, w in workers.items()}
         for mode in workers:
-            step(runs[mode], datums, 0)  # warm up
+            grpo_step(trio, runs[mode], datums, 0)  # warm up
         for index in range(1, args.steps + 1):
             for mode in workers:
-                times[mode].append(step(runs[mode], datums, index))
+                times[mode].append(grpo_step(trio, runs[mode], datums, index))
         runs["full"].forward_backward(datums, loss_fn="importance_sampling").result()  # pending at the "crash"
     finally:
         for w in workers.values():

@@ -1,8 +1,8 @@
-"""What ``--durability full`` costs a PyTRIO user: the time of a GRPO-shaped step (weights for a sampler, seeded group
-samples, one forward_backward, one optim_step) through the official, unmodified ``pytrio`` SDK, against a worker
-process with ``full`` and one with ``checkpoint-only``. Under ``full`` an event is acknowledged only once it is
-journaled (api/pytrio/actor.py), so this is the figure that pays for it. Whole SDK runs alternate between the two
-workers so that load changes hit both alike; the median step of each is compared.
+"""What ``--durability full`` costs a PyTRIO user: the time of a GRPO-shaped step (``benchmarks.common.grpo_step``:
+weights for a sampler, seeded group samples, one forward_backward, one optim_step) through the official, unmodified
+``pytrio`` SDK, against a worker process with ``full`` and one with ``checkpoint-only``. Under ``full`` an event is
+acknowledged only once it is journaled (api/pytrio/actor.py), so this is the figure that pays for it. Whole SDK runs
+alternate between the two workers so that load changes hit both alike; the median step of each is compared.
 
     python benchmarks/durability_pytrio.py [--steps 6] [--runs 3] [--model PATH] [--rank 8] [--datums 16]
 """
@@ -28,26 +28,12 @@ def sdk_loop(plan_file: str, out_file: str) -> None:
     import pytrio as trio
     from pytrio import types as T
 
+    from benchmarks.common import grpo_datums, grpo_step
+
     plan = json.loads(Path(plan_file).read_text())
-    datums = []
-    for i in range(plan["datums"]):
-        ids = [(13 * j + i) % 400 + 10 for j in range(48)]
-        datums.append(T.Datum(model_input=T.ModelInput.from_ints(ids[:-1]), loss_fn_inputs={
-            "target_tokens": ids[1:], "logprobs": [-1.0] * 47, "advantages": [0.5] * 47}))
+    datums = grpo_datums(T, plan["datums"])
     tc = trio.ServiceClient().create_lora_training_client("m", rank=plan["rank"], seed=1)
-    times = []
-    for index in range(plan["steps"] + 1):  # the first one warms up
-        started = time.perf_counter()
-        sampler = tc.save_weights_and_get_sampling_client()
-        futures = [sampler.sample(T.ModelInput.from_ints([5 + g, 6, 7, 8]), num_samples=4,
-                                  sampling_params=T.SamplingParams(max_tokens=8, seed=index * 10 + g))
-                   for g in range(4)]
-        for future in futures:
-            future.result()
-        fb = tc.forward_backward(datums, "importance_sampling")
-        opt = tc.optim_step(T.AdamParams(learning_rate=1e-3))
-        fb.result(), opt.result()
-        times.append(time.perf_counter() - started)
+    times = [grpo_step(T, tc, datums, index) for index in range(plan["steps"] + 1)]  # the first one warms up
     Path(out_file).write_text(json.dumps(times[1:]))
 
 
