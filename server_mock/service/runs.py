@@ -25,7 +25,7 @@ from server_mock.service.ops import ForwardBatch, PreparedOp, prepare_forward
 from server_mock.lora import BYTES_PER_TRAINED_PARAM, adapter_parameters
 from server_mock.service.quotas import ByteBudget, check_queued
 from server_mock.service.validation import check_adam
-from server_mock.service.journal import STATE_OPS, Journal, OpRow, RunRow, to_torch
+from server_mock.service.journal import SEQS_REMEMBERED, STATE_OPS, Journal, OpRow, RunRow, to_torch
 from server_mock.storage import crash_points, records
 from server_mock.storage.checkpoints import check_name
 
@@ -326,8 +326,8 @@ class Runs:
 
         ``work`` is the op, its ``PreparedOp``, or the error preparing it gave: the seq_id and queue checks come
         first, and preparing (or its error) only counts for an op they let in. ``encode`` converts the result to
-        the caller's wire form on the model thread. ``request_id``: the id a front end chose for the request (unused
-        so far); ``front``: its own fields, journaled with the op (``OpRow.front`` after a restart)."""
+        the caller's wire form on the model thread. ``request_id``: the id a front end chose for the request (Tinker:
+        its future's id); ``front``: its own fields, journaled with the op (``OpRow.front`` after a restart)."""
         run = self.get(training_run_id, tenant)
         if seq_id is None:
             seq_id = run.last_seq + 1
@@ -356,7 +356,7 @@ class Runs:
             job.on_result = self._recorder(run, seq_id, prepared.kind)
         run.last_seq = seq_id
         run.seqs[seq_id] = (job.request_id, body_hash)
-        if len(run.seqs) > 4096:
+        if len(run.seqs) > SEQS_REMEMBERED:
             run.seqs.pop(min(run.seqs))
         self.models.queue(run.base_model).put(job)
         return Admission(job.request_id, job)
