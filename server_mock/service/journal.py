@@ -70,6 +70,30 @@ class OpRow:
     front: dict | None = None  # what the front end that accepted it recorded with it (its own ids, its answer)
 
 
+class FrontRecords:
+    """A front end's own records in the journal's database (small JSON values in its namespaces), written before
+    it answers; with no journal (``--durability checkpoint-only``) every write does nothing."""
+
+    def __init__(self, journal: Journal | None) -> None:
+        self.db = journal.db if journal is not None else None
+
+    @property
+    def on(self) -> bool:
+        return self.db is not None
+
+    def put(self, namespace: str, key: str, tenant: str, value: Any) -> None:
+        if self.db is not None:
+            self.db.put_record(namespace, key, tenant, value)
+
+    def delete(self, namespace: str, key: str) -> None:
+        if self.db is not None:
+            self.db.delete_record(namespace, key)
+
+    def delete_prefix(self, namespace: str, prefix: str) -> None:
+        if self.db is not None:
+            self.db.delete_records(namespace, prefix)
+
+
 class Journal:
     def __init__(self, storage: str | Path, result_ttl: float) -> None:
         self.dir = Path(storage) / "durable"

@@ -26,7 +26,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 
-from server_mock.service.journal import Journal
+from server_mock.service.journal import FrontRecords
 
 SESSIONS = "pytrio.session"
 TRAINING = "pytrio.training_run"
@@ -43,64 +43,48 @@ def unb64(text: str | None) -> bytes | None:
     return None if text is None else base64.b64decode(text)
 
 
-class PytrioJournal:
-    def __init__(self, journal: Journal | None) -> None:
-        self.db = journal.db if journal is not None else None
-
-    @property
-    def on(self) -> bool:
-        return self.db is not None
-
+class PytrioJournal(FrontRecords):
     def session(self, session) -> None:
-        if self.db is not None:
-            self.db.put_record(SESSIONS, session.cuid, session.tenant, {
-                "sdk_version": session.sdk_version, "created": session.created})
+        self.put(SESSIONS, session.cuid, session.tenant, {"sdk_version": session.sdk_version,
+                                                          "created": session.created})
 
     def session_closed(self, cuid: str) -> None:
-        if self.db is not None:
-            self.db.delete_record(SESSIONS, cuid)
+        self.delete(SESSIONS, cuid)
 
     def training_run(self, run, token: tuple[str, float] | None) -> None:
         """``token``: the run's token digest (hex) and expiry."""
-        if self.db is not None:
-            self.db.put_record(TRAINING, run.cuid, run.tenant, {
-                "session": run.session_cuid, "run_index": run.run_index, "alias": run.alias,
-                "model_id": run.model_id, "lora": run.lora.model_dump(), "source_uri": run.source_uri,
-                "restore_optimizer": run.restore_optimizer, "created": run.created, "init": run.init,
-                "status": run.status, "token": list(token) if token else None})
+        self.put(TRAINING, run.cuid, run.tenant, {
+            "session": run.session_cuid, "run_index": run.run_index, "alias": run.alias, "model_id": run.model_id,
+            "lora": run.lora.model_dump(), "source_uri": run.source_uri, "restore_optimizer": run.restore_optimizer,
+            "created": run.created, "init": run.init, "status": run.status, "token": list(token) if token else None})
 
     def training_released(self, cuid: str) -> None:
-        if self.db is not None:
-            self.db.delete_record(TRAINING, cuid)
-            self.db.delete_records(EVENTS, f"{cuid}:")
+        self.delete(TRAINING, cuid)
+        self.delete_prefix(EVENTS, f"{cuid}:")
 
     def sampling_run(self, run, token: tuple[str, float] | None) -> None:
-        if self.db is not None:
-            self.db.put_record(SAMPLING, run.cuid, run.tenant, {
-                "session": run.session_cuid, "run_index": run.run_index, "alias": run.alias,
-                "model_id": run.model_id, "source_uri": run.source_uri, "sampler_id": run.sampler_id,
-                "created": run.created, "token": list(token) if token else None})
+        self.put(SAMPLING, run.cuid, run.tenant, {
+            "session": run.session_cuid, "run_index": run.run_index, "alias": run.alias, "model_id": run.model_id,
+            "source_uri": run.source_uri, "sampler_id": run.sampler_id, "created": run.created,
+            "token": list(token) if token else None})
 
     def sampling_released(self, cuid: str) -> None:
-        if self.db is not None:
-            self.db.delete_record(SAMPLING, cuid)
+        self.delete(SAMPLING, cuid)
 
     def temporary(self, path: str, weights) -> None:
-        if self.db is not None:
-            self.db.put_record(TEMPORARY, path, weights.tenant, dataclasses.asdict(weights))
+        self.put(TEMPORARY, path, weights.tenant, dataclasses.asdict(weights))
 
     def temporary_dropped(self, path: str) -> None:
-        if self.db is not None:
-            self.db.delete_record(TEMPORARY, path)
+        self.delete(TEMPORARY, path)
 
     def event(self, run, event, body: bytes | None = None) -> None:
         """An event as it is now: its answer once it has one, else ``body`` (the submitted bytes) to run it again."""
-        if self.db is not None:
-            self.db.put_record(EVENTS, f"{run.cuid}:{event.event_id}", run.tenant, {
+        if self.on:
+            self.put(EVENTS, f"{run.cuid}:{event.event_id}", run.tenant, {
                 "index": event.index, "type": event.type, "digest": event.digest.hex(), "answer": b64(event.answer),
                 "body": b64(body) if event.answer is None else None})
             event.recorded = True
 
     def event_forgotten(self, run_cuid: str, event) -> None:
-        if self.db is not None and event.recorded:
-            self.db.delete_record(EVENTS, f"{run_cuid}:{event.event_id}")
+        if event.recorded:
+            self.delete(EVENTS, f"{run_cuid}:{event.event_id}")

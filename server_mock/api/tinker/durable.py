@@ -17,40 +17,28 @@ from __future__ import annotations
 
 import time
 
-from server_mock.service.journal import Journal
+from server_mock.service.journal import FrontRecords
 
 SESSIONS = "tinker.session"
 MODELS = "tinker.model"
 SAMPLING = "tinker.sampling_session"
 
 
-class TinkerJournal:
-    def __init__(self, journal: Journal | None) -> None:
-        self.db = journal.db if journal is not None else None
-
-    @property
-    def on(self) -> bool:
-        return self.db is not None
-
+class TinkerJournal(FrontRecords):
     def session_created(self, session) -> None:
-        if self.db is not None:
-            self.db.put_record(SESSIONS, session.session_id, session.tenant, {
-                "created": session.created, "user_metadata": session.user_metadata,
-                "display_name": session.display_name})
+        self.put(SESSIONS, session.session_id, session.tenant, {
+            "created": session.created, "user_metadata": session.user_metadata, "display_name": session.display_name})
 
     def session_finished(self, session_id: str) -> None:
-        if self.db is not None:
-            self.db.delete_record(SESSIONS, session_id)
-            self.db.delete_records(MODELS, f"{session_id}:")  # model ids are <session_id>:train:<n>
-            self.db.delete_records(SAMPLING, f"{session_id}:")
+        self.delete(SESSIONS, session_id)
+        self.delete_prefix(MODELS, f"{session_id}:")  # model ids are <session_id>:train:<n>
+        self.delete_prefix(SAMPLING, f"{session_id}:")
 
     def model_registered(self, model, model_seq_id: int, request_id: str, answer: dict) -> None:
-        if self.db is not None:
-            self.db.put_record(MODELS, model.model_id, model.tenant, {
-                "run_id": model.run_id, "session_id": model.session_id, "base_model": model.base_model,
-                "user_metadata": model.user_metadata, "model_seq_id": model_seq_id, "request_id": request_id,
-                "answer": answer, "created": time.time()})
+        self.put(MODELS, model.model_id, model.tenant, {
+            "run_id": model.run_id, "session_id": model.session_id, "base_model": model.base_model,
+            "user_metadata": model.user_metadata, "model_seq_id": model_seq_id, "request_id": request_id,
+            "answer": answer, "created": time.time()})
 
     def sampling_session(self, session, seq_id: int, sampler_id: str) -> None:
-        if self.db is not None:
-            self.db.put_record(SAMPLING, f"{session.session_id}:{seq_id}", session.tenant, {"sampler_id": sampler_id})
+        self.put(SAMPLING, f"{session.session_id}:{seq_id}", session.tenant, {"sampler_id": sampler_id})
