@@ -104,10 +104,10 @@ async def _restore_training(state: PytrioState, run: TrainingRun, value: dict, r
                             counts: dict[str, int]) -> bool:
     service = state.service
     try:
-        service.runs.get(run.cuid, run.tenant)
-        has_adapter = True
+        service_run = service.runs.get(run.cuid, run.tenant)
     except WorkerError:
-        has_adapter = False
+        service_run = None
+    has_adapter = service_run is not None
     if run.init == "ready" and not has_adapter:  # its state did not come back (logged by the service)
         logger.error("pytrio training run %s not restored: its adapter is gone", run.cuid)
         state.journal.training_released(run.cuid)
@@ -115,7 +115,7 @@ async def _restore_training(state: PytrioState, run: TrainingRun, value: dict, r
     if run.init == "pending":  # its init_run runs again, unless its adapter was made before the crash
         run.init, run.status = ("ready", "ACTIVE") if has_adapter else ("none", run.status)
         if has_adapter:
-            run.lora = service.runs.get(run.cuid, run.tenant).spec
+            run.lora = service_run.spec
     if value["token"]:
         digest, expires = value["token"]
         state.tokens.restore(digest, Grant(run.tenant, "training", run.cuid, run.session_cuid, expires))
@@ -162,7 +162,8 @@ async def _restore_training(state: PytrioState, run: TrainingRun, value: dict, r
             continue
         if await _admit_again(state, run, event, body):
             counts["pytrio_events_rerun"] += 1
-    state.save_training(run)
+    if run.init != value["init"]:  # its init_run ended before the crash, or runs again
+        state.save_training(run)
     return True
 
 
