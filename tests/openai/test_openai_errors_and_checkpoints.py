@@ -146,6 +146,11 @@ def test_queue_limit_is_429(tiny_model_dir, tmp_path):
                 client.completions.create(model="tiny", prompt=["one", "two"], max_tokens=2)
             with pytest.raises(openai.BadRequestError) as bad:  # every prompt is checked before any is queued
                 client.completions.create(model="tiny", prompt=[[5, 6], [7, 8], [9999]], max_tokens=2)
+        with openai.OpenAI(base_url=openai_url(proc), api_key=KEY_A, max_retries=20) as patient:
+            # the first prompt above may still be running (a loaded machine): this one, retried on the 429s as
+            # Retry-After says, returns once the queue is free and its own request has finished
+            patient.completions.create(model="tiny", prompt="three", max_tokens=1)
+        with openai.OpenAI(base_url=openai_url(proc), api_key=KEY_A, max_retries=0) as client:
             # a failure once a stream has started arrives as an error event: here the top-logprobs pass of
             # the second choice finds the first one's queued
             stream = client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=2, n=2,
