@@ -352,7 +352,9 @@ def test_finished_answers_are_kept_within_count_bytes_and_time():
 
     async def scenario() -> None:
         base = time.monotonic()  # record() also prunes, by the clock
-        table = EventTable(keep=3, ttl=100.0, execute=nothing, keep_bytes=270)
+        forgotten = []  # what the table hands its ``forget`` (the run's records of them are deleted)
+        table = EventTable(keep=3, ttl=100.0, execute=nothing, keep_bytes=270,
+                           forget=lambda e: forgotten.append(e.event_id))
         events = []
         for i in range(5):
             event = Event(f"event_00000000000{i}", "trainer.forward", i + 1, b"")
@@ -373,5 +375,6 @@ def test_finished_answers_are_kept_within_count_bytes_and_time():
         table.prune(now=base + 104.5)
         assert list(table.events) == [big.event_id, waiting.event_id]  # ended at base + 4: more than 100 s ago
         assert table.next_index == 8
+        assert forgotten == [e.event_id for e in events]  # each dropped event once, in the order dropped
 
     asyncio.run(scenario())

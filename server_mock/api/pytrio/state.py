@@ -196,9 +196,6 @@ class PytrioState:
             self.journal.sampling_run(run, self.tokens.written(run.cuid))
         return token, expires
 
-    def forget_event(self, run: TrainingRun, event) -> None:
-        self.journal.event_forgotten(run.cuid, event)
-
     def training_run(self, cuid: str, tenant: str) -> TrainingRun:
         run = self.training.get(cuid)
         if run is None or run.tenant != tenant:
