@@ -26,19 +26,21 @@ from server_mock.api.openai.router import openai_routes
 from server_mock.api.pytrio import PytrioProtocol
 from server_mock.api.tinker.router import tinker_routes
 from server_mock.config import PytrioOptions
+from server_mock.operator import CountAnswers, operator_routes
 from server_mock.service.recovery import recover
 from server_mock.service.worker import WorkerService
 
 
 def create_app(service: WorkerService, api_keys: list[str] | None = None, *, bind_host: str = "127.0.0.1",
                allowed_hosts: Iterable[str] = (), extra_routes: Iterable[BaseRoute] = (),
-               pytrio_options: PytrioOptions | None = None) -> Starlette:
-    auth = Auth(api_keys or [])
+               pytrio_options: PytrioOptions | None = None, admin_keys: Iterable[str] = ()) -> Starlette:
+    auth = Auth(api_keys or [], admin_keys)
     downloads = Downloads(default_ttl=service.limits.download_url_seconds)
     downloads.register(ARCHIVE, archive_resolver(service.checkpoints))
     pytrio = PytrioProtocol(service, auth, pytrio_options, downloads)
     routes = [*native_routes(), *extra_routes, *downloads.routes(), *tinker_routes(service, auth, downloads),
-              *openai_routes(service, auth), *pytrio.routes()]
+              *openai_routes(service, auth), *pytrio.routes(), *operator_routes(service, auth)]
+    service.usage.traces.sessions.append(pytrio.session_scopes)  # a PyTRIO session's runs' and samplers' ops
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
@@ -52,7 +54,8 @@ def create_app(service: WorkerService, api_keys: list[str] | None = None, *, bin
             service.stop()
 
     app = Starlette(routes=routes, lifespan=lifespan,
-                    middleware=[Middleware(BrowserGuard, policy=HostPolicy(bind_host, list(allowed_hosts)))])
+                    middleware=[Middleware(CountAnswers, counter=service.usage.metrics.requests),
+                                Middleware(BrowserGuard, policy=HostPolicy(bind_host, list(allowed_hosts)))])
     app.state.service = service
     app.state.auth = auth
     app.state.downloads = downloads

@@ -59,7 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="accepted API key (repeatable; each key is its own tenant). Visible to every local user "
                             "in the process list: prefer --api-key-file or PYTRIO_WORKER_API_KEYS (comma-separated)")
     serve.add_argument("--api-key-file", action="append", default=[], metavar="PATH",
-                       help="a file of accepted API keys, one per line ('#' starts a comment); repeatable")
+                       help="a file of accepted API keys, one per line ('#' starts a comment; after a key, "
+                            "tokens_per_minute=N sets its own token budget); repeatable")
+    serve.add_argument("--admin-key-file", action="append", default=[], metavar="PATH",
+                       help="a file of operator keys, one per line: they read /metrics, the /console and traces, and "
+                            "are refused on tenant routes (also PYTRIO_WORKER_ADMIN_KEYS, comma-separated); "
+                            "without one, those routes answer 404 (docs/operations.md)")
     serve.add_argument("--insecure", action="store_true", help="allow a non-loopback bind without an API key")
     serve.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
                        help="also answer requests whose Host (or a browser's Origin) is NAME, e.g. the name a "
@@ -124,21 +129,22 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def read_key_file(path: str) -> list[str]:
-    """The API keys in a file: one per line, blank lines and ``#`` comments skipped. Exits naming the file if it
-    cannot be read; warns if other users may read it."""
+def read_key_file(path: str, flag: str = "--api-key-file") -> list[tuple[str, dict[str, int]]]:
+    """The keys in a file with their settings (``api.auth.parse_key_lines``). Exits naming the file if it cannot be
+    read; warns if other users may read it."""
+    from server_mock.api.auth import parse_key_lines
+
     try:
         text = Path(path).read_text()
         mode = os.stat(path).st_mode
-    except (OSError, UnicodeDecodeError) as exc:
-        sys.exit(f"--api-key-file {path}: {exc}")
+        keys = parse_key_lines(text, f"{flag} {path}")
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        sys.exit(f"{flag} {path}: {exc}" if not isinstance(exc, ValueError) else str(exc))
     if mode & 0o077:
-        logging.getLogger("server_mock").warning("--api-key-file %s can be read by other users (mode %o): "
-                                                 "chmod 600 it", path, mode & 0o777)
-    keys = [line.split("#", 1)[0].strip() for line in text.splitlines()]
-    keys = [k for k in keys if k]
+        logging.getLogger("server_mock").warning("%s %s can be read by other users (mode %o): chmod 600 it", flag,
+                                                 path, mode & 0o777)
     if not keys:
-        sys.exit(f"--api-key-file {path}: holds no keys")
+        sys.exit(f"{flag} {path}: holds no keys")
     return keys
 
 
@@ -158,8 +164,17 @@ def check_limits(limits: Limits) -> str | None:
 
 def serve(args: argparse.Namespace) -> None:
     keys = list(args.api_key) + [k for k in os.environ.get("PYTRIO_WORKER_API_KEYS", "").split(",") if k]
+    key_budgets = {}  # key -> its own tokens_per_minute
     for path in args.api_key_file:
-        keys += read_key_file(path)
+        for key, settings in read_key_file(path):
+            keys.append(key)
+            if "tokens_per_minute" in settings:
+                key_budgets[key] = settings["tokens_per_minute"]
+    admin_keys = [k for k in os.environ.get("PYTRIO_WORKER_ADMIN_KEYS", "").split(",") if k]
+    for path in args.admin_key_file:
+        admin_keys += [key for key, _ in read_key_file(path, "--admin-key-file")]
+    if set(keys) & set(admin_keys):
+        sys.exit("a key is both an API key and an admin key: an operator key must not be a tenant's key")
     if not _is_loopback(args.host) and not keys and not args.insecure:
         sys.exit(f"refusing to listen on {args.host} without --api-key: anyone on the network could train and read "
                  "your adapters. Pass keys with --api-key-file PATH (or PYTRIO_WORKER_API_KEYS; --api-key KEY shows "
@@ -218,8 +233,12 @@ def serve(args: argparse.Namespace) -> None:
     if service.fault_injection:
         logging.getLogger("server_mock").warning("fault injection is ON (PYTRIO_WORKER_FAULT_INJECTION): requests "
                                                  "may ask to fail on purpose; never use this in production")
+    from server_mock.api.auth import tenant_id
+
+    for key, budget in key_budgets.items():
+        service.budgets.set(tenant_id(key), budget)
     app = create_app(service, keys, bind_host=args.host, allowed_hosts=args.allowed_host,
-                     pytrio_options=pytrio_options)
+                     pytrio_options=pytrio_options, admin_keys=admin_keys)
     sock = listening_socket(args.host, args.port)
     port = sock.getsockname()[1]
     from server_mock.connections import ConnectionGuard, guarded_protocol

@@ -104,6 +104,11 @@ class Limits:
                                       why="0 would refuse every download")
     download_url_seconds: int = setting(3600, "lifetime of a signed download URL, in seconds",
                                         minimum=60, why="a URL must outlive its own transfer")
+    # service/rate_limits.py: a bucket per key, refilled continuously; a key's own budget may be set in its keys file
+    tokens_per_minute: int = setting(0, "tokens one API key may use a minute (datums trained or run forward, sample "
+                                        "prompts plus num_samples x max_tokens, the unused part given back); past "
+                                        "it, 429 with Retry-After. 0: no limit", minimum=0, why="0: no limit",
+                                     metavar="N")
 
 @dataclass
 class PytrioOptions:

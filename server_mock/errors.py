@@ -4,6 +4,8 @@ from __future__ import annotations
 
 
 class WorkerError(Exception):
+    retry_after = 1  # seconds a 429's client should wait before it retries (its Retry-After header)
+
     def __init__(self, status: int, code: str, message: str, field: str | None = None) -> None:
         super().__init__(message)
         self.status = status

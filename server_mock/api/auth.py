@@ -1,33 +1,105 @@
-"""API keys: each key is a tenant; every protocol resolves the caller's tenant here."""
+"""API keys: each key is a tenant; every protocol resolves the caller's tenant here. Operator (admin) keys read the
+worker's metrics, console and traces and are no tenant: they are refused on every tenant route (403), and a tenant
+key is refused on the operator's routes (403)."""
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+from collections.abc import Iterable, Mapping
 
 from starlette.requests import Request
 
 from server_mock.errors import WorkerError
 
+ADMIN_HEADER = "x-admin-key"  # the console sends the operator's key here (a bearer token works too)
+
+
+def tenant_id(key: str) -> str:
+    """The tenant a key stands for: stable, short, and not the key (``/v1/whoami`` answers it)."""
+    return "tenant-" + hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def presented_key(headers: Mapping[str, str]) -> str:
+    """The key a request carries: ``X-API-Key``, else a bearer token."""
+    given = headers.get("x-api-key", "")
+    auth = headers.get("authorization", "")
+    if not given and auth.lower().startswith("bearer "):
+        given = auth[7:].strip()
+    return given
+
+
+def _match(candidate: str, keys: list[bytes]) -> bytes | None:
+    """The key equal to ``candidate``, compared in constant time against all (no early exit)."""
+    given, match = candidate.encode(), None
+    for key in keys:
+        if hmac.compare_digest(given, key):
+            match = key
+    return match
+
 
 class Auth:
-    """API keys, each a tenant. Compared in constant time; with no keys configured, everyone is one tenant."""
+    """API keys, each a tenant, and operator keys. Compared in constant time; with no API keys configured,
+    everyone is one tenant (but an operator key is still refused on tenant routes)."""
 
-    def __init__(self, keys: list[str]) -> None:
+    def __init__(self, keys: Iterable[str], admin_keys: Iterable[str] = ()) -> None:
         self._keys = [k.encode() for k in keys if k]
+        self._admin = [k.encode() for k in admin_keys if k]
+        both = set(self._keys) & set(self._admin)
+        if both:
+            raise ValueError("a key is both an API key and an admin key: an operator key must not be a tenant")
+
+    @property
+    def has_admin(self) -> bool:
+        return bool(self._admin)
 
     def tenant(self, request: Request) -> str:
+        given = presented_key(request.headers)
+        if self._admin and given and _match(given, self._admin) is not None:
+            raise WorkerError(403, "admin_key_not_a_tenant", "this is an operator (admin) key: it reads /metrics, "
+                                                             "the console and traces, and has no runs or samplers; "
+                                                             "use an API key here")
         if not self._keys:
             return "default"
-        given = request.headers.get("x-api-key", "")
-        auth = request.headers.get("authorization", "")
-        if not given and auth.lower().startswith("bearer "):
-            given = auth[7:].strip()
-        candidate = given.encode()
-        match = None
-        for key in self._keys:  # no early exit: the time taken does not depend on which key matched
-            if hmac.compare_digest(candidate, key):
-                match = key
+        match = _match(given, self._keys)
         if match is None:
             raise WorkerError(401, "unauthorized", "missing or invalid API key (send Authorization: Bearer KEY)")
-        return "tenant-" + hashlib.sha256(match).hexdigest()[:16]
+        return tenant_id(match.decode())
+
+    def admin(self, request: Request) -> str:
+        """The operator's routes: 404 when no admin key is configured, 401 without a valid key, 403 for an API key.
+        The key comes as ``X-Admin-Key`` or a bearer token."""
+        if not self._admin:
+            raise WorkerError(404, "not_found", f"{request.url.path}: the operator's routes are off; start the "
+                                                "worker with --admin-key-file FILE (or PYTRIO_WORKER_ADMIN_KEYS)")
+        given = request.headers.get(ADMIN_HEADER, "") or presented_key(request.headers)
+        if given and _match(given, self._admin) is not None:
+            return "admin"
+        if given and _match(given, self._keys) is not None:
+            raise WorkerError(403, "not_an_admin_key", "this API key is a tenant's: the operator's routes take an "
+                                                       "admin key (--admin-key-file)")
+        raise WorkerError(401, "unauthorized", "missing or invalid admin key (send X-Admin-Key: KEY or "
+                                               "Authorization: Bearer KEY)")
+
+
+def parse_key_lines(text: str, where: str) -> list[tuple[str, dict[str, int]]]:
+    """A keys file: one key per line, ``#`` starts a comment, blank lines skipped; after the key, optional
+    ``name=value`` settings separated by spaces (``tokens_per_minute=N``: this key's own token budget). Raises
+    ``ValueError`` naming the line of a setting it does not know (never the key)."""
+    out = []
+    for number, line in enumerate(text.splitlines(), 1):
+        fields = line.split("#", 1)[0].split()
+        if not fields:
+            continue
+        key, settings = fields[0], {}
+        for item in fields[1:]:
+            name, sep, value = item.partition("=")
+            if name not in KEY_SETTINGS or not sep or not value.isdigit():  # not echoed: it may be part of a key
+                raise ValueError(f"{where} line {number}: after the key, only {', '.join(KEY_SETTINGS)}=N "
+                                 "settings may follow, separated by spaces (a key holds no spaces)")
+            settings[name] = int(value)
+        out.append((key, settings))
+    return out
+
+
+KEY_SETTINGS = ("tokens_per_minute",)

@@ -31,10 +31,13 @@ def endpoint(handler: Handler, *, tenant_of: TenantOf, render_error: RenderError
              protocol: str = "") -> Callable[[Request], Awaitable[Response]]:
     async def wrapped(request: Request) -> Response:
         request_id = uuid.uuid4().hex[:12]
+        tenant = ""
         try:
             tenant = "" if public else tenant_of(request)
             result = await handler(request, tenant)
         except WorkerError as exc:
+            if tenant:
+                _refused(request, tenant, exc)
             return _tagged(render_error(exc), request_id)
         except ClientDisconnect:  # the client went away mid-body: nothing was queued, nobody to answer
             logger.debug("client disconnected while sending %s", request.url.path)
@@ -50,6 +53,13 @@ def endpoint(handler: Handler, *, tenant_of: TenantOf, render_error: RenderError
         return JSONResponse(payload, headers={"x-request-id": request_id})
 
     return wrapped
+
+
+def _refused(request: Request, tenant: str, exc: WorkerError) -> None:
+    """A caller's request answered with an error: the operator's console lists it (service/usage.py)."""
+    usage = getattr(getattr(request.app.state, "service", None), "usage", None)
+    if usage is not None:
+        usage.refused(tenant, f"{request.method} {request.url.path}"[:200], exc.status, exc.code, exc.message)
 
 
 def _tagged(response: Response, request_id: str) -> Response:

@@ -48,6 +48,10 @@ class Job:
     # journal records it there, so a client never sees a finished request that a crash could lose); an
     # exception from it fails the job with that error instead.
     on_result: Callable[[Job, dict | None, WorkerError | None], None] | None = None
+    # What the service charged at admission and the run or sampler the job is for (service/usage.py reads them:
+    # a forward op's datum tokens, a sample's prompt + num_samples x max_tokens; the scope of its trace).
+    tokens: int = 0
+    scope: str = ""
 
 
 class Decoding(Protocol):
@@ -63,6 +67,34 @@ class Decoding(Protocol):
     def add(self, payload: Any) -> int: ...
 
     def run(self, stop: Callable[[], bool]) -> list[tuple[int, dict]]: ...
+
+
+class QueueObserver(Protocol):
+    """What the queue tells its observer (service/usage.py), on the model's thread; it must be cheap and never
+    raise. ``started``: jobs taken to run; ``batch``: the jobs that decode together now; ``computed``: a job's
+    result as the work returned it (before ``encode``); ``finished``: its status and result are set."""
+
+    def started(self, jobs: list[Job]) -> None: ...
+
+    def batch(self, jobs: list[Job]) -> None: ...
+
+    def computed(self, job: Job, result: dict) -> None: ...
+
+    def finished(self, job: Job) -> None: ...
+
+
+class _Unobserved:
+    def started(self, jobs: list[Job]) -> None:
+        pass
+
+    def batch(self, jobs: list[Job]) -> None:
+        pass
+
+    def computed(self, job: Job, result: dict) -> None:
+        pass
+
+    def finished(self, job: Job) -> None:
+        pass
 
 
 @dataclass
@@ -96,8 +128,10 @@ class ModelQueue:
     """
 
     def __init__(self, name: str, loop: asyncio.AbstractEventLoop, batch_token_budget: int = 65536,
-                 batch_window: float = 0.005, slice_seconds: float = 0.5) -> None:
+                 batch_window: float = 0.005, slice_seconds: float = 0.5,
+                 observer: QueueObserver | None = None) -> None:
         self.name = name
+        self.observer = observer or _Unobserved()
         self.loop = loop
         self.batch_token_budget = batch_token_budget
         self.batch_window = batch_window  # a short wait lets requests sent together arrive together
@@ -136,6 +170,11 @@ class ModelQueue:
     def depth(self) -> int:
         with self._cond:
             return sum(len(lane) for lane in self._lanes.values())
+
+    def waiting(self) -> collections.Counter[tuple[str, str]]:
+        """Queued jobs by (owner, kind), for the operator's queue-depth gauge."""
+        with self._cond:
+            return collections.Counter((job.owner, job.kind) for lane in self._lanes.values() for job in lane)
 
     def stop(self) -> None:
         with self._cond:
@@ -247,16 +286,23 @@ class ModelQueue:
         now = time.monotonic()
         for job in jobs:
             job.status, job.started = "running", now
+        self.observer.started(jobs)
+
+    def _encoded(self, job: Job, result: dict) -> dict:
+        """The job's result in its submitter's wire form (the observer sees it as computed, once)."""
+        self.observer.computed(job, result)
+        return job.encode(result) if job.encode is not None else result
 
     def _run_batch(self, group: list[Job]) -> None:
         if len(group) > 1:
+            self.observer.batch(group)
             try:
                 results = group[0].batch_fn([job.payload for job in group])
             except Exception:  # noqa: BLE001 - one bad request must not fail its batch-mates
                 logger.warning("batched %s failed; running its %d jobs one by one", group[0].kind, len(group))
             else:
                 for job, result in zip(group, results):
-                    self._finish(job, result=result)
+                    self._finish(job, result=self._encoded(job, result))
                 return
         for job in group:
             self._execute(job)
@@ -293,6 +339,7 @@ class ModelQueue:
                 for job in self._joiners(session.key, self.batch_token_budget - session.cost):
                     self._add(session, job)
             seen = self._keys_queued.get(session.key, 0)
+            self.observer.batch(list(session.jobs.values()))
             try:
                 finished = session.decoding.run(lambda: arrivals() or turn_over())
             except Exception as exc:  # noqa: BLE001 - the batch is unusable: each of its jobs runs again alone
@@ -307,7 +354,7 @@ class ModelQueue:
             for handle, result in finished:
                 job = session.jobs.pop(handle)
                 session.cost -= job.batch_cost
-                self._finish(job, result=job.encode(result) if job.encode is not None else result)
+                self._finish(job, result=self._encoded(job, result))
             if not session.decoding.active:
                 self._close(session)
                 for job in session.jobs.values():  # pragma: no cover - a finished batch has no open job
@@ -325,8 +372,7 @@ class ModelQueue:
 
     def _execute(self, job: Job) -> None:
         try:
-            result = job.fn()
-            self._finish(job, result=job.encode(result) if job.encode is not None else result)
+            self._finish(job, result=self._encoded(job, job.fn()))
         except Exception as exc:  # noqa: BLE001 - the error goes back to this request only
             self._fail(job, exc)
 
@@ -363,6 +409,7 @@ class ModelQueue:
         job.fn, job.payload, job.batch_fn, job.encode = _done, None, None, None  # drop request tensors
         job.on_result = None
         job.open_decode = None
+        self.observer.finished(job)
         if job.done is not None:
             self.loop.call_soon_threadsafe(_announce, job)
 

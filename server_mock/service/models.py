@@ -20,7 +20,7 @@ from pytrio_compat.wire import ModelOperationCapabilities, SupportedModel
 from server_mock.config import Limits, TrainOptions
 from server_mock.engine.host import ModelHost
 from server_mock.engine.local_host import LocalModelHost
-from server_mock.engine.queue import ModelQueue, job_result
+from server_mock.engine.queue import ModelQueue, QueueObserver, job_result
 from server_mock.engine.requests import RequestStore
 from server_mock.errors import WorkerError
 from server_mock.lora import Layer
@@ -31,8 +31,10 @@ logger = logging.getLogger("server_mock")
 class Models:
     def __init__(self, sources: dict[str, str], device: str, dtype: torch.dtype, requests: RequestStore,
                  limits: Limits, train_options: TrainOptions, lazy: bool = False, cluster=None,
-                 tokenizer_ids: dict[str, str] | None = None, lazy_allow: list[str] | None = None) -> None:
+                 tokenizer_ids: dict[str, str] | None = None, lazy_allow: list[str] | None = None,
+                 observer: QueueObserver | None = None) -> None:
         self.sources = dict(sources)
+        self.observer = observer  # told what every model queue runs (service/usage.py)
         self.tokenizer_ids = dict(tokenizer_ids or {})  # operator-set, per served model name
         self.device = device
         self.dtype = dtype
@@ -99,9 +101,10 @@ class Models:
                     raise WorkerError(500, "model_load_failed",
                                       f"{field_name}: could not load model {name!r}: {exc}", field_name) from exc
                 self.queues[name] = ModelQueue(name, asyncio.get_running_loop(),
-                                               slice_seconds=self.limits.decode_slice_seconds)
+                                               slice_seconds=self.limits.decode_slice_seconds, observer=self.observer)
                 if self.cluster is not None:  # samples go to the replicas from their own queue, beside training
                     self.queues[f"{name}:sampling"] = host.sampling_queue(asyncio.get_running_loop())
+                    self.queues[f"{name}:sampling"].observer = self.queues[name].observer
                 self.hosts[name] = host
         return self.hosts[name]
 

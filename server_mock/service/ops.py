@@ -49,12 +49,14 @@ class ForwardBatch:
 @dataclass
 class PreparedOp:
     """An op ready for the model's thread: ``work()`` computes its result; ``nbytes`` is what it holds; ``record``
-    is what the durable journal keeps to run it again after a restart (``Runs.from_record``)."""
+    is what the durable journal keeps to run it again after a restart (``Runs.from_record``); ``tokens`` are its
+    datums' tokens (what it costs of its key's token budget)."""
 
     kind: str
     work: Callable[[], dict]
     nbytes: int = 0
     record: dict | None = None
+    tokens: int = 0
 
 
 def prepare_forward(batch: ForwardBatch, host: ModelHost, adapter, limits: Limits,
@@ -79,7 +81,8 @@ def prepare_forward(batch: ForwardBatch, host: ModelHost, adapter, limits: Limit
         return {"loss_fn_outputs": out["outputs"], "metrics": out["metrics"]}
 
     nbytes = sum(DATUM_OVERHEAD_BYTES + sum(_held_bytes(value) for value in row.values()) for row in data)
-    return PreparedOp(batch.kind, run_forward, nbytes, _record(batch, loss_fn, data))
+    tokens = sum(len(row["tokens"]) for row in data)
+    return PreparedOp(batch.kind, run_forward, nbytes, _record(batch, loss_fn, data), tokens)
 
 
 def _record(batch: ForwardBatch, loss_fn: str, data: list) -> dict:

@@ -24,6 +24,7 @@ from server_mock.service.models import Models
 from server_mock.service.ops import ForwardBatch, PreparedOp, prepare_forward
 from server_mock.lora import BYTES_PER_TRAINED_PARAM, adapter_parameters
 from server_mock.service.quotas import ByteBudget, check_queued
+from server_mock.service.rate_limits import TokenBudgets
 from server_mock.service.validation import check_adam
 from server_mock.service.journal import SEQS_REMEMBERED, STATE_OPS, Journal, OpRow, RunRow, to_torch
 from server_mock.storage import crash_points, records
@@ -81,8 +82,10 @@ Op = ForwardBatch | OptimStepOp | SaveOp | LoadOp
 
 class Runs:
     def __init__(self, models: Models, requests: RequestStore, checkpoints: Checkpoints, limits: Limits,
-                 fault_injection: bool, memory: ByteBudget | None = None, journal: Journal | None = None) -> None:
+                 fault_injection: bool, memory: ByteBudget | None = None, journal: Journal | None = None,
+                 budgets: TokenBudgets | None = None) -> None:
         self.models = models
+        self.budgets = budgets or TokenBudgets()  # --tokens-per-minute: a forward op costs its datums' tokens
         self.journal = journal  # --durability full: runs, ops and results recorded (service/journal.py)
         self.requests = requests
         self.checkpoints = checkpoints
@@ -243,6 +246,10 @@ class Runs:
             queue.put(job)
         return run
 
+    def live(self) -> list[TrainingRun]:
+        """Every live run (the operator's console)."""
+        return list(self._runs.values())
+
     def owned(self, tenant: str) -> list[TrainingRun]:
         """This tenant's live runs."""
         return [run for run in self._runs.values() if run.tenant == tenant]
@@ -344,14 +351,16 @@ class Runs:
         if isinstance(work, BaseException):
             raise work
         prepared = work if isinstance(work, PreparedOp) else self.prepare(run, work)
+        self.budgets.take(tenant, prepared.tokens)  # 429 + Retry-After past the key's tokens a minute
         job = self.requests.new_job(prepared.kind, prepared.work, tenant, request_id=request_id)
-        job.encode = encode
+        job.encode, job.tokens, job.scope = encode, prepared.tokens, run.run_id
         if self.journal is not None:
             record = None if prepared.record is None else {**prepared.record, "encode": _encoder_name(encode)}
             try:
                 self.journal.op_accepted(run.run_id, seq_id, job.request_id, prepared.kind, body_hash, record, front)
             except Exception as exc:  # noqa: BLE001 - a full disk: the op is refused, nothing changed
                 self.requests.discard(job.request_id)
+                self.budgets.give_back(tenant, prepared.tokens)
                 raise storage_error(prepared.kind, exc) from exc
             job.on_result = self._recorder(run, seq_id, prepared.kind)
         run.last_seq = seq_id

@@ -25,6 +25,7 @@ from server_mock.service.checkpoints import Checkpoints
 from server_mock.service.journal import Journal
 from server_mock.service.models import Models
 from server_mock.service.quotas import TenantLRU, check_queued
+from server_mock.service.rate_limits import TokenBudgets
 from server_mock.service.validation import validate_sample
 from server_mock.storage import crash_points, peft_folders
 from server_mock.storage.checkpoints import parse_path
@@ -41,8 +42,10 @@ class Sampler:
 class Samplers:
     def __init__(self, models: Models, requests: RequestStore, checkpoints: Checkpoints, limits: Limits,
                  allow_adapter_dirs: list[str] | None = None,
-                 dropped: Callable[[str], None] | None = None, journal: Journal | None = None) -> None:
+                 dropped: Callable[[str], None] | None = None, journal: Journal | None = None,
+                 budgets: TokenBudgets | None = None) -> None:
         self.models = models
+        self.budgets = budgets or TokenBudgets()  # --tokens-per-minute: prompt + n x max_tokens, the rest given back
         self.journal = journal  # --durability full: samplers and sample requests recorded (service/journal.py)
         self.requests = requests
         self.checkpoints = checkpoints
@@ -201,17 +204,21 @@ class Samplers:
         weights_key, load = self._weights_for(sampler, host)
         batch_key = weights_key if self.limits.batch_across_tenants else f"{tenant}|{weights_key}"
         return_text = request.return_text
+        cost = 0 if requeued else len(spec.prompt_tokens) + spec.num_samples * spec.max_tokens
+        self.budgets.take(tenant, cost)  # 429 + Retry-After past the key's tokens a minute
 
         def run_sample() -> dict:
             return _sample_batch(host, load(), [(spec, return_text)])[0]
 
         job = self.requests.new_job("sample", run_sample, tenant, request_id=request_id)
+        job.tokens, job.scope = cost, sampler_id
         if self.journal is not None:
             try:
                 if not requeued:
                     self.journal.sample_accepted(job.request_id, tenant, sampler_id, request.model_dump_json(), front)
             except Exception as exc:  # noqa: BLE001 - a full disk: the request is refused, nothing queued
                 self.requests.discard(job.request_id)
+                self.budgets.give_back(tenant, cost)
                 raise storage_error("sample", exc) from exc
             job.on_result = self._record_result
         job.batch_key = batch_key

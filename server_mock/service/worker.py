@@ -24,9 +24,11 @@ from server_mock.service.checkpoints import Checkpoints
 from server_mock.service.journal import Journal
 from server_mock.service.models import Models
 from server_mock.service.quotas import ByteBudget, TenantLRU
+from server_mock.service.rate_limits import TokenBudgets
 from server_mock.service.runs import Runs
 from server_mock.service.samplers import Samplers
 from server_mock.service.stability import StabilityRecords
+from server_mock.service.usage import Usage
 from server_mock.storage.archive import Archives
 from server_mock.storage.checkpoints import CheckpointStore
 from server_mock.training import faults
@@ -46,10 +48,14 @@ class WorkerService:
         self.fault_injection = faults.enabled_by_environment() if fault_injection is None else fault_injection
         self.lazy_models = lazy_models
         self.requests = RequestStore(result_ttl, self.limits.max_result_bytes)
+        # --tokens-per-minute (and per key, from the keys file); what every model queue ran, counted once
+        self.budgets = TokenBudgets(self.limits.tokens_per_minute)
+        self.usage = Usage(self.budgets)
         self.store = CheckpointStore(storage)
         self.store.build_index()  # which runs are whose: listings then read only the caller's folders
         self.models = Models(models, device, dtype, self.requests, self.limits, train_options or TrainOptions(),
-                             lazy=lazy_models, cluster=cluster, tokenizer_ids=tokenizer_ids, lazy_allow=lazy_allow)
+                             lazy=lazy_models, cluster=cluster, tokenizer_ids=tokenizer_ids, lazy_allow=lazy_allow,
+                             observer=self.usage)
         self.checkpoints = Checkpoints(self.store, TenantLRU(self.limits.max_snapshots), self.journal,
                                        self.storage_options.max_storage_bytes_per_tenant,
                                        Archives(self.store, self.limits.max_archive_builds))
@@ -57,12 +63,13 @@ class WorkerService:
         self.adapter_memory = ByteBudget(self.limits.max_adapter_bytes or total // 4, total, "lora",
                                          "max_adapter_bytes", "max_adapter_bytes_total")
         self.runs = Runs(self.models, self.requests, self.checkpoints, self.limits, self.fault_injection,
-                         self.adapter_memory, self.journal)
+                         self.adapter_memory, self.journal, budgets=self.budgets)
         self.stability = StabilityRecords(self.limits)  # per-sequence sampling records (stable_reinforce)
         self.samplers = Samplers(self.models, self.requests, self.checkpoints, self.limits, allow_adapter_dirs,
-                                 dropped=self.stability.drop_sampler, journal=self.journal)
+                                 dropped=self.stability.drop_sampler, journal=self.journal, budgets=self.budgets)
         # front ends' coroutines that rebuild their own state at start, after the service's (service/recovery.py)
         self.recovery_hooks: list[Callable[[], Awaitable[dict[str, int]]]] = []
+        self.usage.metrics.watch(self)  # queue depth, adapters and memory, read when /metrics is scraped
         self.started = time.time()
 
     def stop(self) -> None:

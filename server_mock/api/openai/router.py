@@ -51,7 +51,7 @@ def error_body(exc: WorkerError) -> dict:
 
 
 def error_response(exc: WorkerError) -> JSONResponse:
-    headers = {"Retry-After": "1"} if exc.status == 429 else None
+    headers = {"Retry-After": str(exc.retry_after)} if exc.status == 429 else None
     return JSONResponse(error_body(exc), status_code=exc.status, headers=headers)
 
 
@@ -232,6 +232,8 @@ def openai_routes(service: WorkerService, auth: Auth) -> list[Route]:
         try:
             return auth.tenant(request)
         except WorkerError as exc:
+            if exc.status == 403:  # an operator key: refused as it is
+                raise
             raise WorkerError(401, "invalid_api_key", exc.message) from None
 
     def route(path: str, handler, methods: list[str]) -> Route:

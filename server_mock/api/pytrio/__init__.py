@@ -102,6 +102,14 @@ class PytrioProtocol:
             a("/{rest:path}", _unknown_actor, ANY, prefix=runs.ACTOR_PREFIX),
         ]
 
+    def session_scopes(self, session_cuid: str) -> list[str] | None:
+        """The service runs and samplers of a service session (the operator's session trace), None if unknown."""
+        session = self.state.sessions.get(session_cuid)
+        if session is None:
+            return None
+        sampling = self.state.sampling.get(session.tenant, {})
+        return [*session.training, *(sampling[c].sampler_id for c in session.sampling if c in sampling)]
+
     async def sweep_forever(self) -> None:
         while True:
             await asyncio.sleep(SWEEP_SECONDS)

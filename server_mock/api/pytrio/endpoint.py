@@ -64,7 +64,7 @@ def control_error(exc: WorkerError) -> JSONResponse:
 
 def actor_error(exc: WorkerError) -> JSONResponse:
     status = 400 if exc.status >= 500 else exc.status
-    headers = {"Retry-After": "1"} if status == 429 else None
+    headers = {"Retry-After": str(exc.retry_after)} if status == 429 else None
     return JSONResponse(error_body(exc), status_code=status, headers=headers)
 
 

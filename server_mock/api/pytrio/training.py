@@ -229,6 +229,8 @@ async def _forward(state: PytrioState, run: TrainingRun, event: Event) -> None:
         return
     answer = {"kind": "forward", "counts": dataclasses.asdict(counts), "auto_shift": payload.auto_shift,
               "usage": usage.model_dump()}
+    # over its key's --tokens-per-minute the event waits (the SDK cannot retry a refused event), then goes in at once
+    await state.service.budgets.ready(run.tenant, prepared.tokens)
     _handoff(state, run, event, prepared, answer)
 
 

@@ -31,13 +31,16 @@ def tenant_of(auth: Auth, request: Request) -> str:
     ``tml-`` prefix, so a worker key ``K`` is also accepted as ``tml-K``."""
     try:
         return auth.tenant(request)
-    except WorkerError:
+    except WorkerError as exc:
+        if exc.status == 403:  # an operator key: refused as it is
+            raise
         key = request.headers.get("x-api-key", "")
         if key.startswith("tml-"):
             try:
                 return auth.tenant(_KeyOnly(key[4:]))
-            except WorkerError:
-                pass
+            except WorkerError as inner:
+                if inner.status == 403:
+                    raise
         raise WorkerError(401, "unauthorized", "missing or invalid API key: pass the worker's --api-key as "
                                                "api_key= (or TINKER_API_KEY); a key K also works as 'tml-K'") from None
 
@@ -49,7 +52,7 @@ def error_response(exc: WorkerError) -> JSONResponse:
         status = 400
     elif status >= 500:
         status = 422
-    headers = {"Retry-After": "1"} if status == 429 else None
+    headers = {"Retry-After": str(exc.retry_after)} if status == 429 else None
     return JSONResponse({"detail": tinker_message(exc.message, exc.field), "code": exc.code, "field": exc.field},
                         status_code=status, headers=headers)
 

@@ -38,10 +38,19 @@ async def unsupported(state: TinkerState, request: Request, tenant: str):
                                             "worker (see docs/tinker.md for the Tinker endpoints it serves)")
 
 
+def _session_scopes(state: TinkerState, session_id: str) -> list[str] | None:
+    """A session's training runs and samplers (the operator's session trace), None if unknown."""
+    session = state.sessions.get(session_id)
+    if session is None:
+        return None
+    return [*(state.models[m].run_id for m in session.model_ids if m in state.models), *session.sampler_ids]
+
+
 def tinker_routes(service, auth, downloads: Downloads | None = None) -> list[Route]:
     state = TinkerState(service)
     if service.journal is not None:  # --durability full: sessions, models, gates and futures come back at start
         service.recovery_hooks.append(functools.partial(restart.restore, state))
+    service.usage.traces.sessions.append(functools.partial(_session_scopes, state))  # the operator's traces
     downloads = downloads or Downloads(service.limits.download_url_seconds)
     downloads.recognize(lambda request: tenant_of(auth, request))
     export = Export(state, downloads)

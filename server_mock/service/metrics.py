@@ -1,0 +1,128 @@
+"""The worker's Prometheus metrics (``GET /metrics``, docs/operations.md): one registry per service, never the
+library's global one, so that several workers in one process (the tests) keep their own.
+
+Counters and histograms are updated where things happen (service/usage.py for the model queues, the operator's
+HTTP middleware for answers); what is a state rather than an event (queue depth, adapters resident, memory) is read
+from the service when Prometheus scrapes. Labels stay few: ``tenant`` is the caller's tenant id (``tenant-`` and 16
+hex digits of the key's SHA-256, the id ``/v1/whoami`` answers; never the key), one per configured key; ``op`` is
+a job kind; ``protocol`` one of the five front ends; ``code`` an HTTP status or an error code of the worker's.
+"""
+
+from __future__ import annotations
+
+import os
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.exposition import generate_latest
+
+PREFIX = "pytrio_worker"
+WORKER = "(worker)"  # the tenant label of the worker's own jobs (loading a model's layout)
+SECONDS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def tenant_label(owner: str) -> str:
+    return owner or WORKER
+
+
+class Metrics:
+    """The registry and its families. ``watch(service)`` adds the ones read at scrape time."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(f"{PREFIX}_requests", "HTTP answers, by protocol and status code",
+                                ["protocol", "code"], registry=r)
+        self.op_duration = Histogram(f"{PREFIX}_op_duration_seconds", "seconds an op ran on the model (from being "
+                                     "taken off the queue to its result, encoding included)", ["op"],
+                                     buckets=SECONDS, registry=r)
+        self.queue_wait = Histogram(f"{PREFIX}_queue_wait_seconds", "seconds an op waited in the queue before the "
+                                    "model took it", ["op"], buckets=SECONDS, registry=r)
+        self.train_tokens = Counter(f"{PREFIX}_train_tokens", "tokens of the datums of forward_backward ops that "
+                                    "ran", ["tenant"], registry=r)
+        self.prefill_tokens = Counter(f"{PREFIX}_prefill_tokens", "tokens run forward without training: sample "
+                                      "prompts (once per request) and forward ops' datums", ["tenant"], registry=r)
+        self.generation_tokens = Counter(f"{PREFIX}_generation_tokens", "tokens returned by sample requests",
+                                         ["tenant"], registry=r)
+        self.batch_rows = Histogram(f"{PREFIX}_batch_rows", "rows the model ran together: the sample rows of a "
+                                    "decode batch, or the datums of a forward op", buckets=ROWS, registry=r)
+        self.errors = Counter(f"{PREFIX}_errors", "requests refused and ops failed, by tenant and error code "
+                              "(rate_limited: over --tokens-per-minute)", ["tenant", "code"], registry=r)
+        self.rate_limited = Counter(f"{PREFIX}_rate_limited", "requests over their key's --tokens-per-minute: "
+                                    "refused with 429, or (PyTRIO training events) held until the budget allows",
+                                    ["tenant"], registry=r)
+        ProcessCollector(registry=r)  # process_resident_memory_bytes, process_cpu_seconds_total, open fds
+        self._watching = False
+
+    def watch(self, service) -> None:
+        """Add the families read from ``service`` at each scrape (once)."""
+        if not self._watching:
+            self.registry.register(_ServiceState(service))
+            self._watching = True
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _ServiceState:
+    """Queue depth, adapters resident and memory, read from the service when scraped."""
+
+    def __init__(self, service) -> None:
+        self.service = service
+
+    def describe(self):
+        return []  # families are made at collect time; nothing to check at registration
+
+    def collect(self):
+        service = self.service
+        depth = GaugeMetricFamily(f"{PREFIX}_queue_depth", "jobs waiting in the model queues, by tenant and op",
+                                  labels=["tenant", "op"])
+        waiting: dict[tuple[str, str], int] = {}
+        for queue in list(service.models.queues.values()):
+            for (owner, kind), count in queue.waiting().items():
+                key = (tenant_label(owner), kind)
+                waiting[key] = waiting.get(key, 0) + count
+        for (tenant, op), count in sorted(waiting.items()):
+            depth.add_metric([tenant, op], count)
+        yield depth
+        adapters = GaugeMetricFamily(f"{PREFIX}_adapters_resident", "LoRA adapters held in memory: training runs' "
+                                     "adapters and in-memory sampler snapshots", labels=["kind"])
+        adapters.add_metric(["training"], len(service.runs))
+        adapters.add_metric(["snapshot"], len(service.checkpoints.snapshots))
+        yield adapters
+        held = GaugeMetricFamily(f"{PREFIX}_adapter_memory_bytes", "bytes the training runs' adapters hold (weights, "
+                                 "gradients, AdamW moments; the --max-adapter-bytes accounting)")
+        held.add_metric([], service.adapter_memory.held)
+        yield held
+        device = GaugeMetricFamily(f"{PREFIX}_device_memory_bytes", "memory of the accelerator the models run on "
+                                   "(torch's allocator: allocated, reserved, peak allocated); none on the CPU",
+                                   labels=["device", "kind"])
+        for name, kind, value in device_memory(service.models.device):
+            device.add_metric([name, kind], value)
+        yield device
+
+
+def device_memory(device: str) -> list[tuple[str, str, int]]:
+    """(device, kind, bytes) of torch's CUDA allocator for ``device``; [] on the CPU."""
+    if not device.startswith("cuda"):
+        return []
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    index = torch.device(device).index or 0
+    name = f"cuda:{index}"
+    return [(name, "allocated", int(torch.cuda.memory_allocated(index))),
+            (name, "reserved", int(torch.cuda.memory_reserved(index))),
+            (name, "peak", int(torch.cuda.max_memory_allocated(index)))]
+
+
+def resident_bytes() -> int:
+    """This process's resident memory (Linux /proc), 0 where it cannot be read."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
