@@ -20,6 +20,7 @@ from collections.abc import Callable
 from server_mock.errors import WorkerError
 
 WINDOW_SECONDS = 60.0
+READY_POLL_SECONDS = 1.0  # a waiting request looks again this often (refunds may make room sooner)
 
 
 class RateLimited(WorkerError):
@@ -95,7 +96,7 @@ class TokenBudgets:
         if self.wait_seconds(tenant, tokens) > 0:
             self._limited(tenant)
         while (wait := self.wait_seconds(tenant, tokens)) > 0:
-            await asyncio.sleep(min(wait, WINDOW_SECONDS))
+            await asyncio.sleep(min(wait, READY_POLL_SECONDS))
 
     def _limited(self, tenant: str) -> None:
         if self.on_limited is not None:

@@ -1,0 +1,67 @@
+"""An in-process worker for the operator's tests: real uvicorn on a free loopback port (so that the SDKs speak real
+HTTP to it), with API keys, admin keys and limits of the test's choosing; the service is at hand to read or drive
+(its token budgets' clock, its metrics)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import uvicorn
+
+from server_mock.app import create_app
+from server_mock.config import Limits
+from server_mock.service.worker import WorkerService
+
+TENANT_KEY = "tenant-key-one"
+OTHER_KEY = "tenant-key-two"
+ADMIN_KEY = "operator-key-0123"
+ADMIN = {"x-admin-key": ADMIN_KEY}
+
+
+@dataclass
+class Running:
+    url: str
+    service: WorkerService
+
+
+class FakeClock:
+    """A monotonic clock the test moves by hand."""
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self.now = start
+        self._lock = threading.Lock()
+
+    def __call__(self) -> float:
+        with self._lock:
+            return self.now
+
+    def advance(self, seconds: float) -> None:
+        with self._lock:
+            self.now += seconds
+
+
+@contextmanager
+def operator_worker(model_dir: Path, storage: Path, *, keys=(TENANT_KEY, OTHER_KEY), admin_keys=(ADMIN_KEY,),
+                    limits: Limits | None = None, model_name: str = "tiny") -> Iterator[Running]:
+    service = WorkerService({model_name: str(model_dir)}, storage, "cpu", torch.float32, limits=limits,
+                            storage_options=None)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(create_app(service, list(keys), admin_keys=list(admin_keys)),
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    try:
+        yield Running(f"http://127.0.0.1:{sock.getsockname()[1]}", service)
+    finally:
+        server.should_exit = True
+        thread.join(15)
