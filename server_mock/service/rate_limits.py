@@ -53,6 +53,14 @@ class TokenBudgets:
         level, at = self._level.get(tenant, (float(budget), now))
         return min(float(budget), level + (now - at) * budget / WINDOW_SECONDS)
 
+    def left(self, tenant: str) -> float | None:
+        """Tokens this tenant may use now (None: no budget)."""
+        budget = self.budget(tenant)
+        if budget <= 0:
+            return None
+        with self._lock:
+            return self._now_level(tenant, budget, self.clock())
+
     def wait_seconds(self, tenant: str, tokens: int) -> float:
         """How long until a request of ``tokens`` fits (0: now)."""
         budget = self.budget(tenant)
