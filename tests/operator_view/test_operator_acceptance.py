@@ -15,6 +15,8 @@ from server_mock.api.auth import tenant_id
 from .test_metrics import FAMILIES, value
 
 TENANT_KEY = "lab-key-alpha-7f3e"
+BUDGETED_KEY = "lab-key-beta-22d0"  # its own budget, from the keys file
+BUDGET = 30
 ADMIN_KEY = "lab-operator-key-91c2"
 
 
@@ -24,7 +26,7 @@ def lab_worker(tiny_model_dir, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("lab")
     keys, admins = root / "keys.txt", root / "admins.txt"
-    keys.write_text(f"# the lab's tenants\n{TENANT_KEY}\n")
+    keys.write_text(f"# the lab's tenants\n{TENANT_KEY}\n{BUDGETED_KEY} tokens_per_minute={BUDGET}\n")
     admins.write_text(f"{ADMIN_KEY}  # the operator\n")
     for path in (keys, admins):
         path.chmod(0o600)
@@ -76,10 +78,28 @@ def test_families_types_and_exact_token_counts(lab_worker):
     client.close()
 
 
+def test_a_key_file_budget_limits_that_key_only(lab_worker):
+    from .test_rate_limits import _wire
+
+    def op(key: str, run: str, seq: int, n: int) -> httpx.Response:
+        return httpx.post(f"{lab_worker.base_url}/v1/training_runs/{run}/ops", timeout=60,
+                          headers={"authorization": f"Bearer {key}"},
+                          json={"seq_id": seq, "payload": {"op": "forward_backward", "data": [_wire(10, n)]}})
+
+    runs = {}
+    for key in (TENANT_KEY, BUDGETED_KEY):
+        runs[key] = httpx.post(lab_worker.base_url + "/v1/training_runs", headers={"authorization": f"Bearer {key}"},
+                               json={"base_model": "tiny", "lora": {"rank": 4}}, timeout=60).json()["training_run_id"]
+    assert op(BUDGETED_KEY, runs[BUDGETED_KEY], 1, BUDGET).status_code == 200  # the whole budget
+    refused = op(BUDGETED_KEY, runs[BUDGETED_KEY], 2, 10)  # 10 tokens at 30 a minute: 20 s
+    assert refused.status_code == 429 and 19 <= int(refused.headers["retry-after"]) <= 20, refused.headers
+    assert op(TENANT_KEY, runs[TENANT_KEY], 1, 200).status_code == 200  # no budget for the other key
+
+
 def test_console_page_and_no_key_in_the_process_list_or_the_log(lab_worker):
     page = httpx.get(lab_worker.base_url + "/console", timeout=30)
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     cmdline = open(f"/proc/{lab_worker.process.pid}/cmdline", "rb").read().decode()
     log = (lab_worker.storage.parent / "worker.log").read_text()
-    for key in (TENANT_KEY, ADMIN_KEY):
+    for key in (TENANT_KEY, BUDGETED_KEY, ADMIN_KEY):
         assert key not in cmdline and key not in log
