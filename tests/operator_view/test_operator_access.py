@@ -122,3 +122,23 @@ def test_key_files_carry_a_budget_per_key_and_never_echo_a_key():
     with pytest.raises(ValueError, match="line 1"):
         parse_key_lines("k tokens_per_minute=-5\n", "f")
     assert tenant_id("alpha-key").startswith("tenant-") and "alpha" not in tenant_id("alpha-key")
+
+
+def test_the_cli_reads_admin_keys_from_the_environment_and_refuses_a_key_in_both_lists(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    keys = tmp_path / "keys.txt"
+    keys.write_text(f"{TENANT_KEY}\n")
+    keys.chmod(0o600)
+    env = {**os.environ, "PYTRIO_WORKER_ADMIN_KEYS": f"{ADMIN_KEY},{TENANT_KEY}"}
+    done = subprocess.run([sys.executable, "-m", "server_mock", "serve", "--model", "tiny=/nonexistent",
+                           "--api-key-file", str(keys)], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "both an API key and an admin key" in done.stderr
+    assert TENANT_KEY not in done.stderr and ADMIN_KEY not in done.stderr
+    bad = tmp_path / "admins.txt"
+    bad.write_text(f"{ADMIN_KEY} weight=2\n")
+    done = subprocess.run([sys.executable, "-m", "server_mock", "serve", "--model", "tiny=/nonexistent",
+                           "--admin-key-file", str(bad)], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "line 1" in done.stderr and ADMIN_KEY not in done.stderr
