@@ -4,22 +4,27 @@ library's global one, so that several workers in one process (the tests) keep th
 Counters and histograms are updated where things happen (service/usage.py for the model queues, the operator's
 HTTP middleware for answers); what is a state rather than an event (queue depth, adapters resident, memory) is read
 from the service when Prometheus scrapes. Labels stay few: ``tenant`` is the caller's tenant id (``tenant-`` and 16
-hex digits of the key's SHA-256, the id ``/v1/whoami`` answers; never the key), one per configured key; ``op`` is
-a job kind; ``protocol`` one of the five front ends; ``code`` an HTTP status or an error code of the worker's.
+hex digits of the key's SHA-256, the id ``/v1/whoami`` answers; never the key), one per configured key; ``op`` a
+training or sampling op, or ``control`` for the rest (``OPS``; the queue-depth gauge names every job kind);
+``protocol`` one of the five front ends; ``code`` an HTTP status or an error code of the worker's.
 """
 
 from __future__ import annotations
 
 import os
 
+import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import generate_latest
 
 PREFIX = "pytrio_worker"
 WORKER = "(worker)"  # the tenant label of the worker's own jobs (loading a model's layout)
-SECONDS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
-ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+# few buckets and a fixed set of op labels: a histogram's series are what a scrape spends its time on
+SECONDS = (0.01, 0.05, 0.25, 1.0, 2.5, 10.0, 30.0, 120.0)
+ROWS = (1, 2, 4, 8, 16, 32, 64, 256)
+OPS = ("forward_backward", "forward", "optim_step", "sample", "save_state", "save_weights_for_sampler", "load_state")
+OTHER_OP = "control"  # creating and deleting runs, reading a model's layout, exports, restores
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -27,10 +32,17 @@ def tenant_label(owner: str) -> str:
     return owner or WORKER
 
 
+def op_label(kind: str) -> str:
+    return kind if kind in OPS else OTHER_OP
+
+
 class Metrics:
     """The registry and its families. ``watch(service)`` adds the ones read at scrape time."""
 
     def __init__(self) -> None:
+        # no ``*_created`` series beside every counter and histogram (as vLLM does): they double what a scrape
+        # renders and Prometheus does not need them. The switch is the library's, for the whole process.
+        prometheus_client.disable_created_metrics()
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(f"{PREFIX}_requests", "HTTP answers, by protocol and status code",

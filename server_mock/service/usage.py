@@ -18,7 +18,7 @@ import time
 from server_mock.engine.queue import Job
 from server_mock.engine.requests import approx_bytes
 from server_mock.service.activity import Activity, Running
-from server_mock.service.metrics import Metrics, tenant_label
+from server_mock.service.metrics import Metrics, op_label, tenant_label
 from server_mock.service.rate_limits import TokenBudgets
 from server_mock.service.traces import OpRecord, TraceBook
 
@@ -51,7 +51,7 @@ class Usage:
     def started(self, jobs: list[Job]) -> None:
         try:
             for job in jobs:
-                self.metrics.queue_wait.labels(job.kind).observe(max(0.0, (job.started or 0) - job.created))
+                self.metrics.queue_wait.labels(op_label(job.kind)).observe(max(0.0, (job.started or 0) - job.created))
             if all(job.batch_key is None for job in jobs):  # sample jobs: ``batch`` lists them with their batch
                 self._running(jobs)
         except Exception as exc:  # noqa: BLE001 - observing must never fail a job
@@ -92,7 +92,7 @@ class Usage:
             with self._lock:
                 computed, rows = self._computed.pop(job.request_id, (None, 0))
             started = job.started if job.started is not None else job.finished
-            self.metrics.op_duration.labels(job.kind).observe(max(0.0, job.finished - started))
+            self.metrics.op_duration.labels(op_label(job.kind)).observe(max(0.0, job.finished - started))
             code = None
             if job.status == "failed":
                 code = job.error.code if job.error is not None else "internal_error"
