@@ -50,11 +50,11 @@ class Supervised:
     def _watch(self) -> None:
         while not self._stop.is_set():
             if not self.worker.alive():
+                self.restarts += 1  # counted as the death is seen: a client may finish before the restart returns
                 self.worker.stop()
                 started = time.monotonic()
                 self.worker = self._start(self.port, {"PYTRIO_WORKER_CRASH_AT": ""})
                 self.recovery_seconds.append(time.monotonic() - started)
-                self.restarts += 1
             time.sleep(0.05)
 
     def kill_after(self, seconds: float) -> None:
