@@ -18,6 +18,7 @@ from starlette.routing import BaseRoute
 
 from server_mock.api.auth import Auth
 from server_mock.api.bodies import ParseBudget
+from server_mock.api.body_budget import BodyBudget
 from server_mock.api.browser_safety import BrowserGuard, HostPolicy
 from server_mock.api.downloads import ARCHIVE, Downloads, archive_resolver
 from server_mock.api.native import native_routes
@@ -61,6 +62,8 @@ def create_app(service: WorkerService, api_keys: list[str] | None = None, *, bin
     app.state.downloads = downloads
     app.state.idempotency = Idempotency()
     app.state.parse_budget = ParseBudget(service.limits.max_parsing_bytes)
+    app.state.body_budget = BodyBudget(service.limits.max_body_bytes_in_flight,
+                                       service.limits.max_body_bytes_in_flight_per_tenant)
     app.state.pytrio = pytrio
     return app
 

@@ -157,6 +157,9 @@ def check_limits(limits: Limits) -> str | None:
         if getattr(limits, name) > bound:
             return (f"--{name.replace('_', '-')} must be <= {bound}: request bodies hold at most {bound} items in "
                     "one list (pytrio_compat/types/bounds.py)")
+    if min(limits.max_body_bytes_in_flight, limits.max_body_bytes_in_flight_per_tenant) < limits.max_body_bytes:
+        return ("--max-body-bytes-in-flight and --max-body-bytes-in-flight-per-tenant must be >= --max-body-bytes: "
+                "a body of the largest size allowed must fit in the budget of bodies being received")
     if limits.download_url_seconds > 7 * 24 * 3600:
         return "--download-url-seconds must be at most 604800 (7 days): a signed URL is a bearer capability"
     return None

@@ -34,6 +34,16 @@ class Limits:
     max_parsing_bytes: int = setting(256 * 1024 * 1024, "request bodies over 1 MiB parsed at once, all requests "
                                                         "together: their bytes plus 64 per JSON value (others wait)",
                                      minimum=1, why="a budget of bytes")
+    # bodies being received (api/body_budget.py): a Content-Length is counted when the headers arrive, before a byte
+    # of the body; nothing is allocated for it until its bytes come
+    max_body_bytes_in_flight: int = setting(1 << 30, "bytes of request bodies being received at once, all keys "
+                                                     "together (a body's Content-Length is counted from its headers "
+                                                     "on); past it, 429 + Retry-After (default 1 GiB)", minimum=1,
+                                            why="a budget of bytes")
+    max_body_bytes_in_flight_per_tenant: int = setting(256 * 1024 * 1024, "bytes of request bodies one API key may "
+                                                                          "have being received at once; past it, "
+                                                                          "429 + Retry-After (default 256 MiB)",
+                                                       minimum=1, why="a budget of bytes")
     max_seq_len: int = setting(8192, "longest sequence (prompt + completion, or a datum), in tokens; the model's own "
                                      "context caps it")
     max_tokens_per_request: int = setting(262_144, "tokens in one forward/backward request, all datums together")

@@ -8,6 +8,9 @@ What a body may cost is bounded before it is parsed:
   its commas and brackets before any parser sees it, because a parse holds ~60 bytes per value whatever it is;
 - what is parsed at once: bodies over ``BIG_BODY_BYTES`` are parsed in worker threads, together at most
   ``--max-parsing-bytes`` (counted as their size plus ``BYTES_PER_VALUE`` per JSON value); others wait;
+- what bodies being received hold: at most ``--max-body-bytes-in-flight`` bytes, and
+  ``--max-body-bytes-in-flight-per-tenant`` of one key (``body_budget``); a buffer grows only with the bytes that
+  arrive, whatever the Content-Length says;
 - what a refusal costs: the request shapes stop at their first bad item (``fail_fast``, ``max_length``), and
   only the first error is ever turned into a message (``first_error``).
 """
@@ -26,6 +29,7 @@ from pydantic import BaseModel
 from pydantic import ValidationError as PydanticValidationError
 from starlette.requests import Request
 
+from server_mock.api.body_budget import TENANT_SCOPE_KEY, BodyHold
 from server_mock.config import Limits
 from server_mock.errors import WorkerError
 
@@ -144,31 +148,26 @@ async def read_body(request: Request, limit: BodyLimit | int, *, allow_zstd: boo
     with ``Content-Encoding: zstd`` is decompressed: the limit applies to what it decompresses to, and that may
     be at most ``limit.zstd_ratio`` times the compressed size (beyond ``ZSTD_FLOOR_BYTES``). With ``json_values``
     (a JSON body), its values are counted as it arrives, and one with more than ``limit.values`` is refused
-    before the rest of it is read (a plain size as ``limit``: a body that need not be JSON, not counted)."""
+    before the rest of it is read (a plain size as ``limit``: a body that need not be JSON, not counted).
+    While it is received the body holds its share of the worker's body budget (``body_budget``): its
+    Content-Length from the start, and its bytes only as they arrive (429 past the budget)."""
     if not isinstance(limit, BodyLimit):
         limit, json_values = as_limit(request, limit), False
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit.size:
-        raise _too_large(limit, declared)
+    header = request.headers.get("content-length")
+    declared = int(header) if header is not None and header.isdigit() else None
+    if declared is not None and declared > limit.size:
+        raise _too_large(limit, header)
     compressed = allow_zstd and request.headers.get("content-encoding", "").lower() == "zstd"
     values = _ValueCount(limit) if json_values and not compressed else None
-    if declared is not None and declared.isdigit() and int(declared) > BIG_BODY_BYTES:
-        # one copy of a large body, not its chunks and a join
-        raw = await _read_into(request, int(declared), limit, values)
-    else:
-        chunks = []
-        size = 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit.size:
-                raise _too_large(limit)
-            if values is not None:
-                values.add(chunk)
-            chunks.append(chunk)
-        if len(chunks) == 1:
-            raw = chunks[0]
-        else:
-            raw = await asyncio.to_thread(b"".join, chunks) if size > BIG_BODY_BYTES else b"".join(chunks)
+    budget = getattr(request.app.state, "body_budget", None) if "app" in request.scope else None
+    hold = budget.hold(request.scope.get(TENANT_SCOPE_KEY, "")) if budget is not None else None
+    try:
+        if hold is not None and declared is not None:
+            hold.grow_to(declared)  # counted, not allocated: the buffer grows only with what arrives
+        raw = await _receive(request, declared, limit, values, hold)
+    finally:
+        if hold is not None:
+            hold.release()
     if compressed:
         cap = min(limit.size, max(ZSTD_FLOOR_BYTES, limit.zstd_ratio * len(raw)))
         async with parsing(request, cap):
@@ -191,22 +190,36 @@ class _ValueCount:
                               "body")
 
 
-async def _read_into(request: Request, declared: int, limit: BodyLimit, values: _ValueCount | None) -> bytearray:
-    """A body of ``declared`` bytes, read into one buffer of that size (the server has checked the length)."""
-    buffer = bytearray(declared)
+async def _receive(request: Request, declared: int | None, limit: BodyLimit, values: _ValueCount | None,
+                   hold: BodyHold | None) -> bytes | bytearray:
+    """The body as it arrives: small ones as their chunks joined, large ones (over ``BIG_BODY_BYTES``) grown in
+    one buffer chunk by chunk, never allocated ahead from the declared length."""
+    chunks: list[bytes] = []
+    buffer: bytearray | None = None
     size = 0
     async for chunk in request.stream():
-        end = size + len(chunk)
-        if end > declared:  # more than announced: the HTTP layer does not allow it, but never write past the end
-            raise _too_large(limit) if end > limit.size else WorkerError(
-                400, "invalid_body", "body: longer than its Content-Length", "body")
+        if not chunk:
+            continue
+        size += len(chunk)
+        if size > limit.size:
+            raise _too_large(limit)
+        if declared is not None and size > declared:  # the HTTP layer does not allow it; never take more
+            raise WorkerError(400, "invalid_body", "body: longer than its Content-Length", "body")
+        if hold is not None:
+            hold.grow_to(size)  # a no-op within the declared length
         if values is not None:
             values.add(chunk)
-        buffer[size:end] = chunk
-        size = end
-    if size < declared:
-        del buffer[size:]
-    return buffer
+        if buffer is not None:
+            buffer += chunk
+        elif size > BIG_BODY_BYTES:  # from here on one buffer, not chunks and a join
+            buffer = bytearray().join(chunks) if chunks else bytearray()
+            buffer += chunk
+            chunks = []
+        else:
+            chunks.append(chunk)
+    if buffer is not None:
+        return buffer
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def _unzstd(raw: bytes, limit: BodyLimit, cap: int) -> bytes:

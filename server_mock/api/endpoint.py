@@ -18,6 +18,7 @@ from pydantic import BaseModel
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
+from server_mock.api.body_budget import TENANT_SCOPE_KEY
 from server_mock.errors import WorkerError
 
 logger = logging.getLogger("server_mock")
@@ -34,6 +35,7 @@ def endpoint(handler: Handler, *, tenant_of: TenantOf, render_error: RenderError
         tenant = ""
         try:
             tenant = "" if public else tenant_of(request)
+            request.scope[TENANT_SCOPE_KEY] = tenant  # what its body holds is charged to it (api/body_budget.py)
             result = await handler(request, tenant)
         except WorkerError as exc:
             if tenant:

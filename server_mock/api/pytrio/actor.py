@@ -23,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from server_mock.api import bodies
+from server_mock.api.body_budget import TENANT_SCOPE_KEY
 from server_mock.api.pytrio import event_wire as wire
 from server_mock.api.pytrio.endpoint import first_error
 from server_mock.api.pytrio.events import MAX_WAITING, Event
@@ -42,6 +43,7 @@ def msgpack_response(body: bytes, status: int = 200) -> Response:
 
 def caller(state: PytrioState, request: Request, kind: str) -> Grant:
     grant = state.tokens.resolve(request.headers.get("authorization"))
+    request.scope[TENANT_SCOPE_KEY] = grant.tenant  # its body is charged to its key (api/body_budget.py)
     if grant.kind != kind:
         raise WorkerError(404, f"{kind}_run_not_found", f"this actor token opens a {grant.kind} run, not a {kind} run")
     return grant
