@@ -47,6 +47,10 @@ class Limits:
     max_seq_len: int = setting(8192, "longest sequence (prompt + completion, or a datum), in tokens; the model's own "
                                      "context caps it")
     max_tokens_per_request: int = setting(262_144, "tokens in one forward/backward request, all datums together")
+    max_datums_per_request: int = setting(4096, "datums in one forward/backward request or PyTRIO training event, "
+                                                "every protocol (the PyTRIO SDK is told to split its calls into "
+                                                "events of at most this many; default 4096)", minimum=1,
+                                          why="a count of datums")
     max_sample_tokens: int = setting(8192, "max_tokens of one sample request")
     max_sample_request_tokens: int = setting(262_144, "num_samples x (prompt + max_tokens) of one sample request: "
                                                       "how long it may hold the model")
@@ -92,6 +96,10 @@ class Limits:
                                                  "(a decompression bomb is refused unread)")
     max_images_per_request: int = setting(256, "image chunks in one sample or forward/backward request, all datums "
                                                "together (identical images are decoded once)")
+    max_decoded_image_bytes: int = setting(256 * 1024 * 1024, "bytes the distinct images of one request decode to "
+                                                              "together (width x height x 3 each, read from their "
+                                                              "headers before any is decoded; default 256 MiB)",
+                                           minimum=1, why="a budget of bytes")
     # soft-target cross-entropy: target_tokens / weights of shape [N, K] (top-K distillation sends K ~ 20)
     max_target_k: int = setting(1024, "K, the targets per position of soft-target cross-entropy ([N, K] inputs)")
     max_target_cells: int = setting(4_194_304, "soft-target cells (N x K, all datums together) in one "
@@ -127,8 +135,8 @@ class PytrioOptions:
 
     # The SDK splits one forward_backward call into Actor events of at most these sizes (0: no limit sent, no split).
     pytrio_max_batch_size: int = setting(0, "datums per PyTRIO training event: the SDK splits a call into events of at "
-                                            "most N datums (0: no limit; the call is one event)", minimum=0,
-                                         why="0: no limit", metavar="N")
+                                            "most N datums (0: the worker's --max-datums-per-request)", minimum=0,
+                                         why="0: --max-datums-per-request", metavar="N")
     pytrio_max_tokens_per_request: int = setting(0, "summed tokens per PyTRIO training event (the SDK splits a call "
                                                     "past it); 0: the worker's --max-tokens-per-request", minimum=0,
                                                  why="0: --max-tokens-per-request", metavar="N")

@@ -5,7 +5,9 @@ declared width x height is checked against ``--max-image-pixels`` before a singl
 decompression bomb (a few KiB of PNG claiming 100k x 100k pixels) costs a header read. The bytes are bounded
 before Pillow sees them, the declared format must match the file's, a file with several frames (APNG, MPO) is
 refused rather than silently cut to its first frame, and a truncated or corrupt file is a 400, never a 500.
-Identical bytes in one request are decoded once (``ImageDecoder`` keys them by SHA-256).
+What a request's images may cost together is checked from all their headers before the first is decoded
+(``ImageDecoder.admit``): their count, and the bytes they decode to (``--max-decoded-image-bytes``; identical
+bytes, keyed by SHA-256, count once, as they are decoded once).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import io
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from PIL import Image
@@ -20,8 +23,9 @@ from PIL import Image
 from server_mock.config import Limits
 from server_mock.errors import WorkerError, bad_request
 
-__all__ = ["FORMATS", "DecodedImage", "ImageDecoder", "decode_image", "image_digest"]
+__all__ = ["FORMATS", "DecodedImage", "ImageDecoder", "decode_image", "image_digest", "read_header"]
 
+DECODED_CHANNELS = 3  # a decoded image is RGB, one byte a channel
 # the chunk's ``format`` -> what Pillow calls it
 FORMATS = {"png": "PNG", "jpeg": "JPEG"}
 
@@ -38,8 +42,9 @@ def image_digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def decode_image(data: bytes, fmt: str, limits: Limits, where: str) -> DecodedImage:
-    """``data`` as an RGB image, or a 4xx naming ``where`` (e.g. ``prompt.chunks[2]``) and the bound it broke."""
+def read_header(data: bytes, fmt: str, limits: Limits, where: str) -> Image.Image:
+    """``data`` opened lazily (its header read, no pixel decoded) and checked against the per-image bounds, or a
+    4xx naming ``where`` (e.g. ``prompt.chunks[2]``) and the bound it broke."""
     if fmt not in FORMATS:
         raise bad_request(f"{where}.format", f"must be one of {', '.join(FORMATS)}, got {fmt!r}",
                           code="invalid_image")
@@ -70,22 +75,57 @@ def decode_image(data: bytes, fmt: str, limits: Limits, where: str) -> DecodedIm
         if getattr(img, "n_frames", 1) != 1:
             raise bad_request(f"{where}.data", f"has {img.n_frames} frames; send one still image",
                               code="invalid_image")
+    return img
+
+
+def decode_image(data: bytes, fmt: str, limits: Limits, where: str) -> DecodedImage:
+    """``data`` as an RGB image, or a 4xx naming ``where`` (e.g. ``prompt.chunks[2]``) and the bound it broke."""
+    img = read_header(data, fmt, limits, where)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
         try:
             img.load()
             rgb = img.convert("RGB")
         except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
             raise bad_request(f"{where}.data", f"could not be decoded as {fmt} ({exc})", code="invalid_image") from exc
-    return DecodedImage(image_digest(data), rgb, width, height)
+    return DecodedImage(image_digest(data), rgb, img.size[0], img.size[1])
 
 
 class ImageDecoder:
-    """Decodes the image chunks of one request: at most ``max_images_per_request`` of them, each identical file
-    (same bytes, same declared format) decoded once."""
+    """Decodes the image chunks of one request. ``admit`` takes them all before any is decoded: at most
+    ``max_images_per_request`` of them, and at most ``max_decoded_image_bytes`` once decoded (width x height x
+    ``DECODED_CHANNELS`` of each distinct file, read from the headers). Nothing decoded is kept here: the caller
+    keeps what it makes of an image, and drops the pixels."""
 
     def __init__(self, limits: Limits) -> None:
         self.limits = limits
         self.count = 0
-        self._seen: dict[str, DecodedImage] = {}
+
+    def admit(self, images: Sequence[tuple[bytes, str, str]]) -> int:
+        """Check the ``(data, format, where)`` of every image of the request, headers only; the bytes their
+        distinct images decode to. 413 naming the first image past a bound (nothing is decoded)."""
+        limits = self.limits
+        if len(images) > limits.max_images_per_request:
+            where = images[limits.max_images_per_request][2]
+            raise WorkerError(413, "too_many_images", f"{where}: image {limits.max_images_per_request + 1} of this "
+                              f"request ({len(images)} in all) exceeds limit max_images_per_request="
+                              f"{limits.max_images_per_request} (--max-images-per-request)", where)
+        total = 0
+        seen: set[tuple[str, str]] = set()
+        for data, fmt, where in images:
+            key = (image_digest(data), fmt)
+            if key in seen:
+                continue  # decoded once
+            seen.add(key)
+            width, height = read_header(data, fmt, limits, where).size
+            total += width * height * DECODED_CHANNELS
+            if total > limits.max_decoded_image_bytes:
+                raise WorkerError(413, "images_too_large", f"{where}: the distinct images of this request up to this "
+                                  f"one decode to {total} bytes (width x height x {DECODED_CHANNELS}, from their "
+                                  f"headers), past limit max_decoded_image_bytes={limits.max_decoded_image_bytes} "
+                                  "(--max-decoded-image-bytes); send fewer or smaller images", f"{where}.data")
+        self.count = 0
+        return total
 
     def decode(self, data: bytes, fmt: str, where: str) -> DecodedImage:
         self.count += 1
@@ -93,8 +133,4 @@ class ImageDecoder:
             raise WorkerError(413, "too_many_images", f"{where}: image {self.count} of this request exceeds limit "
                               f"max_images_per_request={self.limits.max_images_per_request} "
                               "(--max-images-per-request)", where)
-        key = (image_digest(data), fmt)
-        known = self._seen.get(key)
-        if known is None:
-            known = self._seen[key] = decode_image(data, fmt, self.limits, where)
-        return known
+        return decode_image(data, fmt, self.limits, where)

@@ -16,7 +16,7 @@ import numpy as np
 from pytrio_compat.wire import WireImage
 from server_mock.config import Limits
 from server_mock.engine.host import ModelHost
-from server_mock.engine.images import ImageDecoder
+from server_mock.engine.images import ImageDecoder, image_digest
 from server_mock.engine.vision import ImageSpan, PreparedImage, check_expected_tokens
 from server_mock.errors import WorkerError, bad_request
 
@@ -34,13 +34,27 @@ def check_takes_images(host: ModelHost, where: str) -> None:
 
 
 class RequestImages:
-    """The images of one request (a sample prompt, or every datum of a forward op): at most
-    ``--max-images-per-request`` of them, identical ones processed once."""
+    """The images of one request (a sample prompt, or every datum of a forward op): all checked from their headers
+    first (``admit``: at most ``--max-images-per-request`` of them, decoding to at most
+    ``--max-decoded-image-bytes``), then each decoded, processed and its pixels dropped; identical ones processed
+    once."""
 
     def __init__(self, host: ModelHost, limits: Limits) -> None:
         self.host = host
         self.decoder = ImageDecoder(limits)
         self._prepared: dict[tuple[str, str], PreparedImage] = {}
+
+    def admit(self, groups: Sequence[tuple[str, Sequence[WireImage] | None]]) -> None:
+        """Check every image of the request, by ``(images_field, images)``, before any is decoded: the model takes
+        images, their count and the bytes they decode to are within bounds (``ImageDecoder.admit``)."""
+        chunks = []
+        for field, images in groups:
+            if images:
+                check_takes_images(self.host, field)
+                chunks += [(image.chunk.data, image.chunk.format, f"{field}[{k}].chunk")
+                           for k, image in enumerate(images)]
+        if chunks:
+            self.decoder.admit(chunks)
 
     def expand(self, text: np.ndarray, images: Sequence[WireImage] | None, where: str,
                images_field: str) -> tuple[np.ndarray, tuple[ImageSpan, ...]]:
@@ -83,14 +97,15 @@ class RequestImages:
         return np.concatenate(pieces).astype(np.int64), tuple(spans)
 
     def _prepare(self, image: WireImage, where: str) -> PreparedImage:
-        decoded = self.decoder.decode(image.chunk.data, image.chunk.format, where)
-        key = (decoded.digest, image.chunk.format)
+        key = (image_digest(image.chunk.data), image.chunk.format)
         prepared = self._prepared.get(key)
         if prepared is None:
+            decoded = self.decoder.decode(image.chunk.data, image.chunk.format, where)
             try:
                 prepared = self._prepared[key] = self.host.vision.prepare(decoded)
             except (ValueError, TypeError) as exc:  # a processor that cannot take this image (e.g. too small)
                 raise WorkerError(400, "invalid_image", f"{where}.data: the model's image processor refused "
                                                         f"this {decoded.width}x{decoded.height} image ({exc})",
                                   f"{where}.data") from exc
+            del decoded  # its pixels are the processor's inputs now: the RGB copy goes
         return prepared

@@ -23,8 +23,9 @@ def validate_sample(request: SampleRequest, host: ModelHost, limits: Limits) -> 
     if len(prompt) == 0 and not request.prompt_images:
         raise bad_request("prompt_tokens", "prompt cannot be empty")
     check_vocab(prompt, host.vocab_size, "prompt_tokens", allow_ignore=False)
-    prompt, spans = RequestImages(host, limits).expand(prompt, request.prompt_images, "prompt_tokens",
-                                                       "prompt_images")
+    request_images = RequestImages(host, limits)
+    request_images.admit([("prompt_images", request.prompt_images)])
+    prompt, spans = request_images.expand(prompt, request.prompt_images, "prompt_tokens", "prompt_images")
     if not 1 <= request.num_samples <= limits.max_num_samples:
         raise WorkerError(413 if request.num_samples > 0 else 400, "invalid_num_samples",
                           f"num_samples: must be in [1, {limits.max_num_samples}] (limit max_num_samples), "
@@ -95,6 +96,14 @@ def check_stop_strings(stop: list[str] | None, limits: Limits) -> list[str]:
     return list(stop)
 
 
+def check_datum_count(count: int, limits: Limits, field: str) -> None:
+    """413 naming ``field`` when a request carries more datums than ``--max-datums-per-request``."""
+    if count > limits.max_datums_per_request:
+        raise WorkerError(413, "too_many_datums", f"{field}: {count} datums exceeds limit max_datums_per_request="
+                                                  f"{limits.max_datums_per_request} (--max-datums-per-request); "
+                                                  "split the batch into requests of at most that many", field)
+
+
 def validate_rows(loss_fn: str, data: Sequence[Mapping[str, np.ndarray]], host: ModelHost,
                   limits: Limits, images: Sequence[Sequence[WireImage] | None] | None = None,
                   ) -> list[dict[str, np.ndarray]]:
@@ -105,7 +114,10 @@ def validate_rows(loss_fn: str, data: Sequence[Mapping[str, np.ndarray]], host: 
     ``"images"`` (a tuple of ``ImageSpan``) on a datum with images."""
     if not data:
         raise bad_request("data", "training data cannot be empty")
+    check_datum_count(len(data), limits, "data")
     request_images = RequestImages(host, limits)
+    if images is not None:
+        request_images.admit([(f"data[{i}].images", group) for i, group in enumerate(images[:len(data)])])
     required = losses.REQUIRED_INPUTS[loss_fn]
     optional = losses.OPTIONAL_INPUTS[loss_fn]
     out = []

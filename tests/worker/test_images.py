@@ -110,16 +110,15 @@ def test_a_real_bomb_of_zeros_is_refused_unread(no_decoding):
     assert no_decoding == []
 
 
-def test_count_at_the_limit_passes_and_one_past_is_413_identical_images_decoded_once():
+def test_count_at_the_limit_passes_and_one_past_is_413_before_any_decode(no_decoding):
     limits = replace(Limits(), max_images_per_request=3)
     decoder = ImageDecoder(limits)
-    first = decoder.decode(png(4, 4), "png", "data[0].model_input.chunks[1]")
-    again = decoder.decode(png(4, 4), "png", "data[1].model_input.chunks[1]")
-    assert again is first  # the same bytes are decoded once
-    decoder.decode(png(5, 4, seed=1), "png", "data[2].model_input.chunks[1]")
-    err = refused(413, "too_many_images", lambda: decoder.decode(png(4, 4), "png", "data[3].model_input.chunks[1]"))
+    images = [(png(4, 4), "png", f"data[{i}].model_input.chunks[1]") for i in range(4)]
+    assert decoder.admit(images[:3]) == 4 * 4 * 3  # identical bytes count once
+    err = refused(413, "too_many_images", lambda: decoder.admit(images))
     assert "image 4" in err.message and "max_images_per_request=3" in err.message
     assert err.field == "data[3].model_input.chunks[1]" and "--max-images-per-request" in err.message
+    assert no_decoding == []
 
 
 def test_the_declared_format_must_match_the_file():

@@ -31,6 +31,7 @@ from server_mock.api.pytrio.msgpack_codec import MEDIA_TYPE, MsgpackError, Msgpa
 from server_mock.api.pytrio.state import PytrioState, TrainingRun
 from server_mock.api.pytrio.tokens import Grant
 from server_mock.errors import WorkerError
+from server_mock.service.validation import check_datum_count
 
 POLL_HOLD_CAP = 50.0  # seconds; the SDK's poll timeout is Prefer's wait (65 s by default)
 POLL_MARGIN = 5.0
@@ -124,6 +125,12 @@ async def submit_event(state: PytrioState, request: Request):
                                                  "to start; send this one again once they have")
             table.record(event, advance=False)
             return msgpack_response(event.answer)
+        data = envelope.payload.get("data")
+        try:  # counted before a datum is parsed: each costs pydantic and numpy work off the event loop
+            check_datum_count(len(data) if isinstance(data, list) else 0, state.service.limits, "payload.data")
+        except WorkerError as exc:
+            event.fail(exc.code, exc.message)
+            return answered(state, run, event)
         try:
             payload = await asyncio.to_thread(wire.parse_payload, envelope) if big else wire.parse_payload(envelope)
         except PydanticValidationError as exc:

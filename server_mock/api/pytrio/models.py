@@ -35,7 +35,8 @@ def trainer_limits(state: PytrioState, alias: str) -> cw.CapabilityOut:
     limits, options = state.service.limits, state.options
     tokens = min(options.pytrio_max_tokens_per_request or limits.max_tokens_per_request,
                  limits.max_tokens_per_request)
-    return cw.CapabilityOut(max_batch_size=options.pytrio_max_batch_size or None, max_tokens_per_request=tokens,
+    datums = min(options.pytrio_max_batch_size or limits.max_datums_per_request, limits.max_datums_per_request)
+    return cw.CapabilityOut(max_batch_size=datums, max_tokens_per_request=tokens,
                             max_seq_len=max_seq_len(state, alias))
 
 

@@ -89,7 +89,8 @@ class TinkerState:
     def element_budget(self) -> ElementBudget:
         tokens = self.service.limits.max_tokens_per_request
         return ElementBudget(ELEMENTS_PER_TOKEN * tokens,
-                             f"{ELEMENTS_PER_TOKEN} x limit max_tokens_per_request={tokens}", max_tokens=tokens)
+                             f"{ELEMENTS_PER_TOKEN} x limit max_tokens_per_request={tokens}", max_tokens=tokens,
+                             max_datums=self.service.limits.max_datums_per_request)
 
     # -- sessions and models ---------------------------------------------------------------------------
 

@@ -46,8 +46,9 @@ class ElementBudget:
     """How many tensor elements one request may still declare (all its loss_fn_inputs together), and
     how many tokens its datums may hold."""
 
-    def __init__(self, limit: int, reason: str, max_tokens: int | None = None) -> None:
+    def __init__(self, limit: int, reason: str, max_tokens: int | None = None, max_datums: int | None = None) -> None:
         self.limit = limit
+        self.max_datums = max_datums
         self.left = limit
         self.reason = reason
         self.max_tokens = max_tokens
@@ -264,6 +265,10 @@ def decode_forward_backward_request(buf: bytes | pb.ForwardBackwardRequest,
     budget = budget or ElementBudget(1 << 62, "no limit")
     req = ForwardBackwardRequest(model_id=message.model_id, seq_id=message.seq_id, loss_fn=message.loss_fn,
                                  forward_only=message.forward_only)
+    if budget.max_datums is not None and len(message.data) > budget.max_datums:
+        raise ProtoError("data", f"{len(message.data)} datums exceeds limit max_datums_per_request={budget.max_datums} "
+                                 "(--max-datums-per-request); split the batch into requests of at most that many",
+                         status=413)
     req.data = [_decode_datum(datum, i, budget) for i, datum in enumerate(message.data)]
     if message.loss_fn_config_v2:  # v2 carries strings too; numbers are in both maps
         req.loss_fn_config = {key: getattr(value, value.WhichOneof("value") or "number")
