@@ -20,6 +20,7 @@ from server_mock.api.auth import Auth
 from server_mock.api.bodies import ParseBudget
 from server_mock.api.body_budget import BodyBudget
 from server_mock.api.browser_safety import BrowserGuard, HostPolicy
+from server_mock.api.long_polls import LongPolls
 from server_mock.api.downloads import ARCHIVE, Downloads, archive_resolver
 from server_mock.api.native import native_routes
 from server_mock.api.native.endpoint import Idempotency
@@ -64,6 +65,7 @@ def create_app(service: WorkerService, api_keys: list[str] | None = None, *, bin
     app.state.parse_budget = ParseBudget(service.limits.max_parsing_bytes)
     app.state.body_budget = BodyBudget(service.limits.max_body_bytes_in_flight,
                                        service.limits.max_body_bytes_in_flight_per_tenant)
+    app.state.long_polls = LongPolls(service.limits.max_long_polls_per_tenant)
     app.state.pytrio = pytrio
     return app
 

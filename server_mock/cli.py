@@ -247,6 +247,7 @@ def serve(args: argparse.Namespace) -> None:
     from server_mock.connections import ConnectionGuard, guarded_protocol
 
     guard = ConnectionGuard(connections, _room_for_connections(connections.max_connections))
+    guard.relieve = app.state.long_polls.relieve  # held long polls end early rather than keep new clients out
     config = uvicorn.Config(app, log_level="warning", timeout_keep_alive=30, http=guarded_protocol(guard))
     server = uvicorn.Server(config)
     if args.port_file:

@@ -75,6 +75,10 @@ class Limits:
     batch_across_tenants: bool = setting(False, "decode sample requests of different API keys for the same weights "
                                                 "as one batch: more throughput when many keys sample a base model, "
                                                 "but each then sees the others' traffic in its answers")
+    max_long_polls_per_tenant: int = setting(256, "long polls one API key may hold open at once (Tinker "
+                                                  "retrieve_future, native wait=, PyTRIO Prefer: wait=); its next "
+                                                  "one ends its oldest at once with the protocol's 'not ready, poll "
+                                                  "again' answer (default 256)", minimum=1, why="a count of polls")
     max_result_bytes: int = setting(1 << 30, "bytes of finished results (native requests, Tinker futures) kept for "
                                              "polling per API key; past it its oldest are dropped", minimum=1,
                                     why="a budget of bytes")

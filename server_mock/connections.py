@@ -12,8 +12,10 @@ and a thousand such clients stop the worker from answering anyone. ``guarded_pro
 - **Caps.** At most ``--max-connections`` open connections, and ``--max-connections-per-peer`` from one IP
   address. A connection over a cap first makes room by closing the longest-open connection that has no complete
   request in it (idle, or still sending), taken from its own peer (per-peer cap) or from the peer holding the
-  most connections (total cap); only if every such connection is busy with a request is the new one answered
-  503 and closed. So connections that never finish their request cannot keep out one that does.
+  most connections (total cap). If there is none, a held long poll is ended early (``relieve``, from
+  api/long_polls.py: it is answered "not ready yet, poll again", and its connection turns idle) and the new
+  connection admitted; only if every connection is busy with other work is the new one answered 503 and closed.
+  So neither connections that never finish their request nor complete long polls can keep out one that does.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -44,6 +47,9 @@ class ConnectionGuard:
     def __init__(self, options: Connections, max_open: int | None = None) -> None:
         self.options = options
         self.max_open = max_open or options.max_connections
+        # ends one held long poll (of this peer, or any), making its connection idle; set by the app's owner
+        self.relieve: Callable[[str | None], bool] | None = None
+        self.relieved = 0  # connections admitted by ending a held long poll
         self.by_peer: dict[str, OrderedDict[GuardedConnection, None]] = {}
         self.open = 0
         self.refused = 0  # connections answered 503
@@ -53,12 +59,13 @@ class ConnectionGuard:
     def admit(self, conn: GuardedConnection) -> bool:
         """Count a new connection, making room if a cap is reached; False if there is none to make."""
         mine = self.by_peer.setdefault(conn.peer, OrderedDict())
-        if len(mine) >= self.options.max_connections_per_peer and not self._evict_from(mine):
+        if len(mine) >= self.options.max_connections_per_peer and not self._evict_from(mine) \
+                and not self._relieve(conn.peer):
             return self._refuse(conn, f"this address has {len(mine)} open connections (limit "
                                       f"max_connections_per_peer={self.options.max_connections_per_peer})")
         if self.open >= self.max_open:
             peers = sorted(self.by_peer.values(), key=len, reverse=True)
-            if not any(self._evict_from(peer) for peer in peers):
+            if not any(self._evict_from(peer) for peer in peers) and not self._relieve(None):
                 return self._refuse(conn, f"the worker has {self.open} open connections (limit max_connections="
                                           f"{self.max_open})")
         mine[conn] = None
@@ -79,6 +86,14 @@ class ConnectionGuard:
                 self.evicted += 1
                 conn.close_incomplete("the worker needed room for another connection")
                 return True
+        return False
+
+    def _relieve(self, peer: str | None) -> bool:
+        """End a held long poll (``api/long_polls.py``) so that its connection, idle once answered, can be closed
+        by the next admission; the new connection is admitted meanwhile."""
+        if self.relieve is not None and self.relieve(peer):
+            self.relieved += 1
+            return True
         return False
 
     def _refuse(self, conn: GuardedConnection, why: str) -> bool:

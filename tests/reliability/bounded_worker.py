@@ -39,6 +39,7 @@ def bounded_worker(model_dir: Path, storage: Path, limits: Limits, connections: 
                             storage_options=storage_options)
     app = create_app(service, [KEY_A, KEY_B], pytrio_options=pytrio_options)
     guard = ConnectionGuard(connections or Connections())
+    guard.relieve = app.state.long_polls.relieve  # as pytrio-worker serve does
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", http=guarded_protocol(guard)))

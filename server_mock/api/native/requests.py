@@ -9,6 +9,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from pytrio_compat.wire import ErrorBody, RequestStatus
+from server_mock.api.long_polls import held_poll
 from server_mock.api.native.endpoint import endpoint, poll_seconds, service_of, wait_unless_disconnected
 from server_mock.engine.queue import Job
 from server_mock.errors import WorkerError
@@ -33,7 +34,10 @@ async def get_request(request: Request, tenant: str):
     if job is None:
         raise WorkerError(404, "request_not_found",
                           f"unknown request {request_id} ({service.requests.why_gone(request_id, tenant)})")
-    if not await wait_unless_disconnected(request, service.requests.wait(job, wait)):
+    waiting = service.requests.wait(job, wait)
+    if wait > 0:  # a long poll: one of the tenant's few held at once (api/long_polls.py)
+        waiting = held_poll(request, tenant, waiting)
+    if not await wait_unless_disconnected(request, waiting):
         return Response(status_code=499)  # the poller went away; the request itself runs on regardless
     return request_status(job, service.models.queue_position(job.request_id) if job.status == "queued" else None)
 

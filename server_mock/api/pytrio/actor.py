@@ -24,6 +24,7 @@ from starlette.responses import Response
 
 from server_mock.api import bodies
 from server_mock.api.body_budget import TENANT_SCOPE_KEY
+from server_mock.api.long_polls import held_poll
 from server_mock.api.pytrio import event_wire as wire
 from server_mock.api.pytrio.endpoint import first_error
 from server_mock.api.pytrio.events import MAX_WAITING, Event
@@ -182,7 +183,9 @@ async def get_event(state: PytrioState, request: Request):
     if event is None:
         raise WorkerError(404, "event_not_found", f"event_id: no event {event_id[:64]!r} on this run (never "
                                                   f"submitted, or ended more than --pytrio-event-ttl ago)", "event_id")
-    await event.wait(hold_seconds(request.headers.get("prefer")))
+    hold = hold_seconds(request.headers.get("prefer"))
+    if hold > 0:  # one of the key's few held polls (api/long_polls.py): ended early, it answers the status now
+        await held_poll(request, grant.tenant, event.wait(hold))
     return msgpack_response(event.current())
 
 

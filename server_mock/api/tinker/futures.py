@@ -23,6 +23,7 @@ from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
 
+from server_mock.api.long_polls import held_poll
 from server_mock.api.tinker import schemas
 from server_mock.api.tinker.endpoint import PROTOBUF, read
 from server_mock.api.tinker.paths import tinker_message
@@ -246,7 +247,8 @@ async def retrieve_future(state, request: Request, tenant: str):
                                                     "or the worker restarted)", "request_id")
     if future.wanted is not None:
         future.wanted.set()
-    await asyncio.wait({future.task}, timeout=LONG_POLL_SECONDS)
+    # one of the tenant's few held polls (api/long_polls.py): ended early, it answers try_again like a timeout
+    await held_poll(request, tenant, asyncio.wait({future.task}, timeout=LONG_POLL_SECONDS))
     if not future.task.done():
         return {"type": "try_again", "request_id": request_id, "queue_state": "active"}
     if future.task.cancelled():
