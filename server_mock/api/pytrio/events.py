@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from server_mock.api.pytrio import event_wire as wire
+from server_mock.api.pytrio.kept_answers import KeptAnswers
 from server_mock.api.pytrio.msgpack_codec import encode
 from server_mock.engine.queue import Job
 
@@ -39,6 +40,7 @@ class Event:
     done: asyncio.Event = field(default_factory=asyncio.Event)
     taken: asyncio.Event = field(default_factory=asyncio.Event)  # handed to the service (journaled), or answered
     recorded: bool = False  # has a protocol record (api/pytrio/durable.py), deleted when it is forgotten
+    on_finish: Callable[[Event], None] | None = None  # its table counts its answer in the key's budget
 
     @property
     def finished(self) -> bool:
@@ -57,6 +59,8 @@ class Event:
         self.payload = self.job = None
         self.done.set()
         self.taken.set()
+        if self.on_finish is not None:
+            self.on_finish(self)
 
     def fail(self, code: str, message: str, usage: wire.UsageOut | None = None) -> None:
         self.finish(wire.failed(self.event_id, self.type, code, message, usage))
@@ -79,9 +83,11 @@ class EventTable:
     """A run's events by id, the next index it admits, and the queue of admitted events not yet started."""
 
     def __init__(self, keep: int, ttl: float, execute: Execute, keep_bytes: int = 128 << 20,
-                 forget: Callable[[Event], None] | None = None) -> None:
+                 forget: Callable[[Event], None] | None = None, answers: KeptAnswers | None = None,
+                 tenant: str = "") -> None:
         self.keep, self.ttl, self.execute, self.keep_bytes = keep, ttl, execute, keep_bytes
         self.forget = forget  # called with each event dropped by ``prune`` (its record goes too)
+        self.answers, self.tenant = answers, tenant  # the key's budget of kept answers (--max-result-bytes)
         self.next_index = 1
         self.events: OrderedDict[str, Event] = OrderedDict()
         self.admitting = asyncio.Lock()  # submits of this run, one at a time
@@ -106,7 +112,24 @@ class EventTable:
         self.events[event.event_id] = event
         if advance:
             self.next_index = event.index + 1
+        if self.answers is not None:
+            if event.finished:
+                self._answered(event)
+            else:
+                event.on_finish = self._answered
         self.prune()
+
+    def _answered(self, event: Event) -> None:
+        if self.events.get(event.event_id) is event and self.answers is not None:
+            self.answers.keep(self.tenant, (id(self), event.event_id), len(event.answer),
+                              lambda: self._dropped(event))
+
+    def _dropped(self, event: Event) -> None:
+        """Forgotten for the key's budget of kept answers."""
+        if self.events.get(event.event_id) is event:
+            del self.events[event.event_id]
+            if self.forget is not None:
+                self.forget(event)
 
     def admit(self, event: Event) -> None:
         """Queue an accepted event to run after those before it."""
@@ -161,6 +184,8 @@ class EventTable:
                 del self.events[event.event_id]
                 extra -= 1
                 held -= len(event.answer)
+                if self.answers is not None:
+                    self.answers.drop(self.tenant, (id(self), event.event_id))
                 if self.forget is not None:
                     self.forget(event)
 
@@ -168,5 +193,8 @@ class EventTable:
         """The run is released: events not started fail; the one being started and those running on the model
         end as they finish (a start is not cancelled midway: an adapter being made would be left behind)."""
         self.closed = True
+        if self.answers is not None:
+            for event_id in self.events:
+                self.answers.drop(self.tenant, (id(self), event_id))
         while self._queue:
             self._queue.popleft().fail("run_released", reason)

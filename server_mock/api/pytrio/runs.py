@@ -73,7 +73,8 @@ def new_events(state: PytrioState, run: TrainingRun) -> EventTable:
     """A training run's event table (its events run through ``training.execute``)."""
     options = state.options
     return EventTable(options.pytrio_events_per_run, options.pytrio_event_ttl, partial(training.execute, state, run),
-                      options.pytrio_event_answer_bytes, forget=partial(state.journal.event_forgotten, run.cuid))
+                      options.pytrio_event_answer_bytes, forget=partial(state.journal.event_forgotten, run.cuid),
+                      answers=state.answers, tenant=run.tenant)
 
 
 async def create_training_run(state: PytrioState, request: Request, tenant: str):

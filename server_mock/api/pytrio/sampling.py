@@ -22,9 +22,11 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from pytrio_compat.wire import SampleRequest, WireSamplingParams
 from server_mock.api.pytrio.actor import caller
 from server_mock.api.pytrio.endpoint import error_body, read_model
+from server_mock.api.pytrio.kept_answers import KeptAnswers
 from server_mock.api.pytrio.sample_wire import SampleIn, SampleOut, SampleSequenceOut, SampleUsageOut
 from server_mock.api.pytrio.state import PytrioState, SamplingRun
 from server_mock.engine.queue import job_result
+from server_mock.engine.requests import approx_bytes
 from server_mock.errors import WorkerError
 
 REMEMBERED_REQUESTS = 64  # request ids per sampling run whose answers a retry gets again
@@ -86,17 +88,28 @@ async def sample(state: PytrioState, request: Request):
         job = await state.service.samplers.submit_async(run.sampler_id, service_request(body), run.tenant,
                                                         front={"protocol": "pytrio", "sampling_run": run.cuid,
                                                                "shape": shape})
-        task = remember(run, shape, job)
+        task = remember(run, shape, job, state.answers)
     return await respond(task, state.options.pytrio_sample_keepalive)
 
 
-def remember(run: SamplingRun, shape: dict, job) -> asyncio.Future:
-    """The task answering the request (and a retry of it: same ``request_id``) once ``job`` ends."""
+def remember(run: SamplingRun, shape: dict, job, answers: KeptAnswers | None = None) -> asyncio.Future:
+    """The task answering the request (and a retry of it: same ``request_id``) once ``job`` ends; its answer is
+    counted in the key's ``answers`` (``--max-result-bytes``) while it is remembered."""
     task = asyncio.ensure_future(job_result(job, lambda result: answer(run.cuid, shape, result)))
     task.add_done_callback(lambda t: t.cancelled() or t.exception())  # read by respond(); never "unretrieved"
-    run.samples[shape["request_id"]] = task
+    request_id = shape["request_id"]
+    run.samples[request_id] = task
     while len(run.samples) > REMEMBERED_REQUESTS:
-        run.samples.popitem(last=False)
+        old_id, _ = run.samples.popitem(last=False)
+        if answers is not None:
+            answers.drop(run.tenant, ("sample", run.cuid, old_id))
+    if answers is not None:
+        def kept(done: asyncio.Future) -> None:
+            if run.samples.get(request_id) is done and not done.cancelled() and done.exception() is None:
+                answers.keep(run.tenant, ("sample", run.cuid, request_id), approx_bytes(done.result()),
+                             lambda: run.samples.pop(request_id, None))
+
+        task.add_done_callback(kept)
     return task
 
 

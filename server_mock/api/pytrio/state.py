@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pytrio_compat.wire import LoraSpec
 from server_mock.api.pytrio.durable import PytrioJournal
 from server_mock.api.pytrio.events import EventTable
+from server_mock.api.pytrio.kept_answers import KeptAnswers
 from server_mock.api.pytrio.tokens import ActorTokens
 from server_mock.config import PytrioOptions
 from server_mock.errors import WorkerError
@@ -114,6 +115,7 @@ class PytrioState:
         self.sampling: dict[str, OrderedDict[str, SamplingRun]] = {}  # tenant -> its runs, least recently used first
         self.temporary: dict[str, TemporaryWeights] = {}  # trio:// path -> expiry
         self.journal = PytrioJournal(service.journal)
+        self.answers = KeptAnswers(service.limits.max_result_bytes)  # kept event and sample answers, per key
         self._tasks: set[asyncio.Task] = set()
 
     def spawn(self, work: Awaitable, what: str) -> None:
@@ -267,8 +269,9 @@ class PytrioState:
         session = self.sessions.get(run.session_cuid)
         if session is not None and run.cuid in session.sampling:
             session.sampling.remove(run.cuid)
-        for task in run.samples.values():
+        for request_id, task in run.samples.items():
             task.cancel()
+            self.answers.drop(run.tenant, ("sample", run.cuid, request_id))
         self.service.samplers.drop(run.sampler_id, run.tenant)
 
     # --- temporary sampler weights --------------------------------------------------------------------------
