@@ -110,7 +110,21 @@ class Checkpoints:
                                       "save_weights_for_sampler(name) or save_state(name) instead",
                               code="not_downloadable")
         version = f"{self.store.read_meta(ref).get('created_at', 0):.6f}"
+        if self.max_bytes_per_tenant and not self.archives.cached_size(ref):
+            need, used = self.archives.expected_size(ref), self._used(tenant)
+            if used + need > self.max_bytes_per_tenant:
+                raise WorkerError(507, "storage_budget_exceeded",
+                                  f"path: the download archive of {path} needs {need} bytes and this API key's "
+                                  f"checkpoints (with their archives) hold {used}, past max_storage_bytes_per_tenant="
+                                  f"{self.max_bytes_per_tenant}: delete checkpoints (or give them a ttl_seconds) or "
+                                  "raise --max-storage-bytes-per-tenant", "path")
         return ref, self.archives.ensure(ref), version
+
+    def _used(self, tenant: str, skip: str | None = None) -> int:
+        """What this tenant's checkpoints hold on disk, their cached download archives included (``skip``: one
+        about to be overwritten, whose archive goes with it)."""
+        return sum(size + self.archives.cached_size(ref) for ref, _, size in self.records(tenant)
+                   if ref.path != skip)
 
     def records(self, tenant: str, training_run_id: str | None = None) -> list[tuple[CheckpointRef, dict, int]]:
         """This tenant's checkpoints on disk (of one run), unexpired: (ref, metadata, size in bytes) each."""
@@ -198,17 +212,17 @@ class Checkpoints:
         return {"path": ref.path, "size": size, "model": run.base_model}
 
     def _check_budget(self, tenant: str, ref: CheckpointRef, tensors: dict) -> None:
-        """Refuse a save that would take the tenant's checkpoints past --max-storage-bytes-per-tenant, before any
-        byte is written (a checkpoint it overwrites is not counted)."""
+        """Refuse a save that would take the tenant's checkpoints (and their cached download archives) past
+        --max-storage-bytes-per-tenant, before any byte is written (a checkpoint it overwrites is not counted)."""
         if not self.max_bytes_per_tenant:
             return
         new = sum(t.numel() * t.element_size() for state in tensors.values() for t in state.values())
-        used = sum(size for other, _, size in self.records(tenant) if other.path != ref.path)
+        used = self._used(tenant, skip=ref.path)
         if used + new > self.max_bytes_per_tenant:
             raise WorkerError(507, "storage_budget_exceeded",
-                              f"this API key's checkpoints hold {used} bytes and this one needs about {new} more, past "
-                              f"max_storage_bytes_per_tenant={self.max_bytes_per_tenant}: delete checkpoints (or "
-                              "give them a ttl_seconds) or raise --max-storage-bytes-per-tenant")
+                              f"this API key's checkpoints (with their archives) hold {used} bytes and this one "
+                              f"needs about {new} more, past max_storage_bytes_per_tenant={self.max_bytes_per_tenant}: "
+                              "delete checkpoints (or give them a ttl_seconds) or raise --max-storage-bytes-per-tenant")
 
     def save_export(self, run, host: ModelHost, name: str, ttl_seconds: int | None, layout: ExportLayout,
                     recipients: list) -> dict:

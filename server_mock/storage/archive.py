@@ -14,7 +14,9 @@ as gone. The tar's bytes depend only on the checkpoint (fixed owner, mode and mo
 builds of one checkpoint are identical, which lets a client resume a download across a rebuild.
 
 At most ``max_builds`` archives are built at once over the whole worker; one more answers 429. Callers of
-the same checkpoint wait for the build already running instead of starting their own.
+the same checkpoint wait for the build already running instead of starting their own. A cached archive counts in
+its tenant's ``--max-storage-bytes-per-tenant`` (``cached_size``); one that would not fit is not built
+(``expected_size``, checked by the service).
 """
 
 from __future__ import annotations
@@ -44,6 +46,27 @@ class Archives:
 
     def path(self, ref: CheckpointRef) -> Path:
         return self.store.folder(ref) / ARCHIVE_NAME
+
+    def cached_size(self, ref: CheckpointRef) -> int:
+        """The bytes of ``ref``'s cached archive (0 when none is built)."""
+        try:
+            return self.path(ref).stat().st_size
+        except FileNotFoundError:
+            return 0
+
+    def expected_size(self, ref: CheckpointRef) -> int:
+        """The bytes ``ref``'s archive will take, from its files' sizes (a ustar header and 512-byte padding per
+        member, the end-of-archive blocks, the whole padded to tar's record size); 404 if a member is missing."""
+        folder = self.store.folder(ref)
+        blocks = 1  # the empty marker's header
+        for name in MEMBERS:
+            try:
+                size = (folder / name).stat().st_size
+            except FileNotFoundError:
+                raise WorkerError(404, "checkpoint_incomplete", f"path: {ref.path} has no {name}", "path") from None
+            blocks += 1 + -(-size // tarfile.BLOCKSIZE)
+        body = (blocks + 2) * tarfile.BLOCKSIZE
+        return -(-body // tarfile.RECORDSIZE) * tarfile.RECORDSIZE
 
     def ensure(self, ref: CheckpointRef) -> Path:
         """The archive of ``ref``, built now if it is not cached yet (blocking: call from a worker thread)."""

@@ -7,7 +7,8 @@ temporary folder that is fsynced and renamed into place: a checkpoint is whole o
 ``external``, holds weights exported for download in another service's layout (Tinker's
 ``save_weights_external``, possibly encrypted); it has no ``trio://`` path, only its ``CheckpointRef``.
 Files whose names start with a dot (a cached download archive) are derived data: they are not counted
-in a checkpoint's size and go with the folder when it is overwritten or deleted.
+in a checkpoint's size (the service counts the archive in its tenant's storage budget) and go with the folder
+when it is overwritten or deleted.
 
 Expiry: a checkpoint saved with ``ttl_seconds`` (or given one later, ``set_expiry``) carries ``expires_at`` in its
 ``meta.json``. From that moment it is absent to every reader (``exists``, ``read_meta``, ``list``), and the
