@@ -2,7 +2,8 @@
 request line each (no API key needed), took every file descriptor of a worker and it stopped answering anyone.
 Now a request must arrive whole within --request-timeout (408 otherwise), and a connection over --max-connections
 (or --max-connections-per-peer) first closes the longest-waiting incomplete one, so the health check answers
-throughout; only when every connection is busy with a real request is a new one answered 503."""
+throughout; a held long poll is ended early ("poll again") to make room too; only when every connection is busy
+with other work is a new one answered 503."""
 
 from __future__ import annotations
 
@@ -150,12 +151,13 @@ def test_a_request_must_arrive_whole_within_the_deadline(tiny_model_dir, tmp_pat
         proc.stop()
 
 
-def test_connections_over_the_cap_make_room_or_get_503(tiny_model_dir, tmp_path):
+def test_connections_over_the_cap_make_room_from_incomplete_requests_and_long_polls(tiny_model_dir, tmp_path):
     proc = _faulty_worker(tiny_model_dir, tmp_path, "--max-connections", "8", "--max-connections-per-peer", "6")
     polls: list[socket.socket] = []
     try:
         rid = _slow_op(proc.base_url, 8)
-        # per peer: six long polls (complete requests, busy) from one address; a seventh is refused
+        # per peer: six long polls (complete requests, busy) from one address; a seventh ends the oldest poll
+        # early (it answers the request's status now: "poll again") and is served (before: 503 for everyone)
         for _ in range(6):
             s = socket.create_connection(("127.0.0.1", proc.port))
             s.sendall(f"GET /v1/requests/{rid}?wait=30 HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {KEY_A}"
@@ -163,16 +165,21 @@ def test_connections_over_the_cap_make_room_or_get_503(tiny_model_dir, tmp_path)
             polls.append(s)
         time.sleep(0.5)
         seventh = socket.create_connection(("127.0.0.1", proc.port))
-        reply = _answer(seventh, 5)
-        assert reply.startswith(b"HTTP/1.1 503") and b"max_connections_per_peer=6" in reply, reply
+        seventh.sendall(b"GET /v1/health HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        assert _answer(seventh, 5).startswith(b"HTTP/1.1 200")
+        early = _answer(polls[0], 5)
+        assert early.startswith(b"HTTP/1.1 200") and b"succeeded" not in early, early
+        for s in (seventh, polls.pop(0)):
+            s.close()
         # another address still gets in, up to the total cap; then incomplete ones make room for it
-        others = _half_open(proc.port, 2, source="127.0.0.2")
+        time.sleep(0.2)
+        others = _half_open(proc.port, 3, source="127.0.0.2")
         started = time.perf_counter()
         with httpx.Client(timeout=10, transport=httpx.HTTPTransport(local_address="127.0.0.3")) as http:
             assert http.get(proc.base_url + "/v1/health").status_code == 200  # closed one of 127.0.0.2's
         assert time.perf_counter() - started < 5
         assert _answer(others[0], 2).startswith(b"HTTP/1.1 408")
-        # the long polls were never touched: they get their answer
+        # the other long polls were never touched: they get their answer
         assert b"succeeded" in _answer(polls[0], 30) + _answer(polls[0], 2)
     finally:
         for s in polls:
