@@ -18,7 +18,7 @@ from server_mock.api.pytrio.msgpack_codec import MsgpackError, MsgpackLimits, de
 from server_mock.api.pytrio.tokens import ActorTokens, Grant
 from server_mock.api.pytrio.training import _unshift, encode_forward, forward_batch
 from server_mock.cli import build_parser
-from server_mock.config import PytrioOptions, from_args
+from server_mock.config import Limits, PytrioOptions, from_args
 from server_mock.errors import WorkerError
 
 pytest.importorskip("pytrio", reason="the official pytrio SDK (the dev extra) is not installed")
@@ -274,6 +274,7 @@ class _FakeService:
     """What the state reaches of the service: releasing samplers, snapshots and runs is recorded."""
 
     journal = None  # --durability checkpoint-only: nothing recorded
+    limits = Limits()
 
     def __init__(self) -> None:
         self.dropped, self.deleted, self.snapshot_paths = [], [], set()
