@@ -120,7 +120,7 @@ class EventTable:
         self.prune()
 
     def _answered(self, event: Event) -> None:
-        if self.events.get(event.event_id) is event and self.answers is not None:
+        if self.events.get(event.event_id) is event and self.answers is not None and not self.closed:
             self.answers.keep(self.tenant, (id(self), event.event_id), len(event.answer),
                               lambda: self._dropped(event))
 
