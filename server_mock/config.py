@@ -79,8 +79,9 @@ class Limits:
                                                   "retrieve_future, native wait=, PyTRIO Prefer: wait=); its next "
                                                   "one ends its oldest at once with the protocol's 'not ready, poll "
                                                   "again' answer (default 256)", minimum=1, why="a count of polls")
-    max_result_bytes: int = setting(1 << 30, "bytes of finished results (native requests, Tinker futures) kept for "
-                                             "polling per API key; past it its oldest are dropped", minimum=1,
+    max_result_bytes: int = setting(1 << 30, "bytes of finished results (native requests, Tinker futures; PyTRIO "
+                                             "event and sample answers counted apart) kept for polling per API key; "
+                                             "past it its oldest are dropped", minimum=1,
                                     why="a budget of bytes")
     # Checked against every generated token, so bounded: OpenAI takes 4 stop strings, vLLM and SGLang
     # take any number but real requests carry a handful of short ones.
