@@ -12,6 +12,7 @@ from __future__ import annotations
 from server_mock.errors import WorkerError
 
 TENANT_SCOPE_KEY = "server_mock.tenant"  # the request's tenant, set where it is authenticated
+OVER_BUDGET = "body_budget_exceeded"  # a 429 that passes once other bodies are in: every protocol's "try again"
 
 
 class BodyBudget:
@@ -31,14 +32,14 @@ class BodyBudget:
         mine = self.by_tenant.get(tenant, 0)
         if mine + extra > self.per_tenant:
             self.refused += 1
-            raise WorkerError(429, "body_budget_exceeded",
+            raise WorkerError(429, OVER_BUDGET,
                               f"body: this API key's request bodies being received hold {mine} bytes; this one "
                               f"({size} bytes) would pass the limit max_body_bytes_in_flight_per_tenant="
                               f"{self.per_tenant} (--max-body-bytes-in-flight-per-tenant); retry once the others "
                               "are sent", "body")
         if self.held + extra > self.total:
             self.refused += 1
-            raise WorkerError(429, "body_budget_exceeded",
+            raise WorkerError(429, OVER_BUDGET,
                               f"body: request bodies being received hold {self.held} bytes on this worker; this one "
                               f"({size} bytes) would pass the limit max_body_bytes_in_flight={self.total} "
                               "(--max-body-bytes-in-flight); retry shortly", "body")

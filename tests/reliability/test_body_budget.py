@@ -206,3 +206,16 @@ def test_budgets_smaller_than_the_largest_body_are_refused_at_start():
     problem = check_limits(Limits(max_body_bytes_in_flight_per_tenant=64 * MIB - 1))
     assert problem and "--max-body-bytes-in-flight-per-tenant" in problem and "--max-body-bytes" in problem
     assert check_limits(Limits(max_body_bytes_in_flight=64 * MIB - 1)) is not None
+
+
+def test_the_pytrio_control_plane_keeps_the_budget_a_retry():
+    """PyTRIO Control answers a per-key 429 as a final 409; a full body budget passes, so that the SDK retries."""
+    from server_mock.api.body_budget import BodyBudget
+    from server_mock.api.pytrio.endpoint import control_error
+    from server_mock.errors import WorkerError
+
+    budget = BodyBudget(100, 100)
+    with pytest.raises(WorkerError) as err:
+        budget.hold("a").grow_to(101)
+    assert control_error(err.value).status_code == 429
+    assert control_error(WorkerError(429, "too_many_sessions", "x")).status_code == 409

@@ -22,6 +22,7 @@ from starlette.responses import JSONResponse, Response
 from server_mock.api import bodies
 from server_mock.api import endpoint as api_endpoint
 from server_mock.api.auth import Auth
+from server_mock.api.body_budget import OVER_BUDGET
 from server_mock.api.browser_safety import JSON, require_media_type
 from server_mock.errors import WorkerError
 
@@ -55,7 +56,7 @@ def error_body(exc: WorkerError) -> dict:
 
 def control_error(exc: WorkerError) -> JSONResponse:
     status = exc.status
-    if status == 429 and exc.code != CAPACITY:
+    if status == 429 and exc.code not in (CAPACITY, OVER_BUDGET):
         status = 409  # a per-key limit: final, with its flag named
     elif status >= 500:
         status = 400  # never a 5xx the SDK would retry for 15 minutes
