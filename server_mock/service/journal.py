@@ -189,14 +189,28 @@ class Journal:
                 "SELECT run_id, tenant, base_model, spec, meta, state_seq, state_file, state_sha, prev_seq, "
                 "prev_file, prev_sha FROM runs ORDER BY created"):
             states = [(seq, name, sha)] + ([(prev_seq, prev_name, prev_sha)] if prev_name else [])
-            out.append(RunRow(run_id, tenant, base_model, spec, json.loads(meta), states))
+            try:
+                out.append(RunRow(run_id, tenant, base_model, spec, json.loads(meta), states))
+            except ValueError as exc:
+                self.quarantine("runs", (run_id,), tenant, f"its meta is not JSON: {exc}")
         return out
 
     def ops(self, run_id: str) -> list[OpRow]:
-        return [OpRow(seq, rid, kind, body_hash, payload, bool(done), json.loads(front) if front else None)
-                for seq, rid, kind, body_hash, payload, done, front in
-                self.db.query("SELECT seq, request_id, kind, body_hash, payload, done, front FROM ops WHERE run_id = ? "
-                              "ORDER BY seq", (run_id,))]
+        out = []
+        for seq, rid, kind, body_hash, payload, done, front in self.db.query(
+                "SELECT seq, request_id, kind, body_hash, payload, done, front FROM ops WHERE run_id = ? ORDER BY seq",
+                (run_id,)):
+            try:
+                out.append(OpRow(seq, rid, kind, body_hash, payload, bool(done), json.loads(front) if front else None))
+            except ValueError as exc:
+                self.quarantine("ops", (run_id, seq), None, f"its front is not JSON: {exc}")
+        return out
+
+    def quarantine(self, table: str, key: tuple, tenant: str | None, reason: str) -> None:
+        """A row that cannot be taken up at start: moved aside whole (``StateDB.quarantine``), logged with its key."""
+        logger.error("state.db: %s row %s (tenant %s) cannot be restored: %s; moved to the quarantine table, the "
+                     "rest is restored", table, ":".join(map(str, key)), tenant, reason)
+        self.db.quarantine(table, key, reason)
 
     # --- requests --------------------------------------------------------------------------------------------
 
@@ -233,8 +247,11 @@ class Journal:
         for rid, tenant, kind, status, result, error, finished in self.db.query(
                 "SELECT request_id, tenant, kind, status, result, error, finished FROM requests "
                 "WHERE finished IS NOT NULL AND finished >= ? ORDER BY finished", (time.time() - self.result_ttl,)):
-            out.append((rid, tenant, kind, status, records.unpack(result) if result is not None else None,
-                        json.loads(error) if error else None, finished))
+            try:
+                out.append((rid, tenant, kind, status, records.unpack(result) if result is not None else None,
+                            json.loads(error) if error else None, finished))
+            except Exception as exc:  # noqa: BLE001 - a damaged row: set aside, the others are restored
+                self.quarantine("requests", (rid,), tenant, f"its result or error cannot be read: {exc}")
         return out
 
     def unfinished_samples(self) -> list[tuple[str, str, str, str]]:
@@ -295,6 +312,8 @@ class Journal:
         removed = remove_leftovers(self.files)
         named = {name for row in self.db.query("SELECT state_file, prev_file FROM runs") for name in row if name}
         named |= {name for (name,) in self.db.query("SELECT file FROM snapshots")}
+        for _source, _key, _tenant, _reason, row in self.db.quarantined("runs"):  # kept for whoever repairs them
+            named |= {row.get("state_file"), row.get("prev_file")}
         for path in self.files.rglob("*.bin"):
             if path.relative_to(self.files).as_posix() not in named:
                 path.unlink(missing_ok=True)

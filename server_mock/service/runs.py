@@ -62,6 +62,13 @@ class TrainingRun:
     admitting: asyncio.Lock = field(default_factory=asyncio.Lock)  # ops from the network, one at a time
 
 
+def run_damaged(training_run_id: str, reason: str) -> WorkerError:
+    return WorkerError(410, "training_run_damaged",
+                       f"training_run: {training_run_id} could not be restored after the worker restarted: its record "
+                       f"in the journal is damaged ({reason}); it was moved to the quarantine table of "
+                       "durable/state.db. Start a new run from its last checkpoint", "training_run_id")
+
+
 def _raiser(exc: WorkerError) -> Callable[[], dict]:
     def fail() -> dict:
         raise exc
@@ -94,6 +101,8 @@ class Runs:
         # adapter memory, estimated from the model's layout when a run is created
         self.memory = memory or ByteBudget(1 << 62, 1 << 62, "lora", "max_adapter_bytes", "max_adapter_bytes_total")
         self._runs: dict[str, TrainingRun] = {}
+        # runs whose journal row could not be taken up at the last start: run id -> (tenant, why)
+        self.damaged: dict[str, tuple[str, str]] = {}
 
     def __len__(self) -> int:
         return len(self._runs)
@@ -199,6 +208,15 @@ class Runs:
         host = await self.models.host(row.base_model)
         self.memory.take(row.run_id, row.tenant, await self.adapter_bytes(row.base_model, spec, row.tenant),
                          f"a rank-{spec.rank} adapter on {row.base_model} (restored)")
+        try:
+            return await self._restore(row, ops, spec, host, state_seq, state)
+        except BaseException:  # nothing of it stays held: the caller sets the row aside
+            self._runs.pop(row.run_id, None)
+            self.memory.give_back(row.run_id)
+            raise
+
+    async def _restore(self, row: RunRow, ops: list[OpRow], spec: LoraSpec, host, state_seq: int,
+                       state: dict) -> TrainingRun:
         made: list = []
 
         def build() -> dict:
@@ -229,13 +247,23 @@ class Runs:
                 logger.error("run %s: op %d has no payload to run again; the run continues from seq_id %d",
                              run.run_id, op.seq, state_seq)
                 break
-            record = records.unpack(op.payload)
-            if record["op"] == "SaveOp" and not op.done:  # it may have been written before the crash: again
+            try:
+                record = records.unpack(op.payload)
+                kind = record["op"]
+            except Exception as exc:  # noqa: BLE001 - a damaged payload: the ops after it cannot run in order
+                logger.error("run %s: op %d's payload cannot be read (%s); the run continues from seq_id %d",
+                             run.run_id, op.seq, exc, state_seq)
+                break
+            if kind == "SaveOp" and not op.done:  # it may have been written before the crash: again
                 record["body"]["overwrite"] = True
             try:
                 prepared = self.from_record(run, record)
             except WorkerError as exc:  # e.g. a checkpoint to load that is gone now
                 prepared = PreparedOp(op.kind, _raiser(exc))
+            except Exception as exc:  # noqa: BLE001 - a record that no longer validates: its poll gets why
+                prepared = PreparedOp(op.kind, _raiser(WorkerError(
+                    500, "journal_damaged", f"{op.kind}: its journal record could not be read after a restart "
+                                            f"({type(exc).__name__}); call it again")))
             if op.done:  # its result is recorded: run it again only for the state it leaves
                 if op.kind in ("forward_backward", *STATE_OPS):
                     queue.put(Job(f"replay-{op.request_id}", op.kind, prepared.work, owner=run.tenant))
@@ -257,8 +285,15 @@ class Runs:
     def get(self, training_run_id: str, tenant: str) -> TrainingRun:
         run = self._runs.get(training_run_id)
         if run is None or run.tenant != tenant:
+            damaged = self.damaged.get(training_run_id)
+            if run is None and damaged is not None and damaged[0] == tenant:
+                raise run_damaged(training_run_id, damaged[1])
             raise not_found("training_run", training_run_id)
         return run
+
+    def set_damaged(self, training_run_id: str, tenant: str, reason: str) -> None:
+        """A run whose journal row was set aside at start: its owner is told so (410) instead of 'unknown'."""
+        self.damaged[training_run_id] = (tenant, reason)
 
     async def delete(self, training_run_id: str, tenant: str) -> None:
         run = self.get(training_run_id, tenant)
