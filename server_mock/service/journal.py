@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from server_mock.engine.queue import Job
+from server_mock.errors import storage_error
 from server_mock.storage import records
 from server_mock.storage.files import read_verified, remove_leftovers, write_atomic
 from server_mock.storage.state_db import StateDB
@@ -82,16 +83,26 @@ class FrontRecords:
         return self.db is not None
 
     def put(self, namespace: str, key: str, tenant: str, value: Any) -> None:
+        """Record ``value``; a write the disk refuses raises 507 (``storage_full`` when it is full)."""
         if self.db is not None:
-            self.db.put_record(namespace, key, tenant, value)
+            try:
+                self.db.put_record(namespace, key, tenant, value)
+            except Exception as exc:  # noqa: BLE001 - e.g. sqlite3 'database or disk is full'
+                raise storage_error(f"recording {namespace}", exc) from exc
 
     def delete(self, namespace: str, key: str) -> None:
         if self.db is not None:
-            self.db.delete_record(namespace, key)
+            try:
+                self.db.delete_record(namespace, key)
+            except Exception as exc:  # noqa: BLE001
+                raise storage_error(f"forgetting {namespace}", exc) from exc
 
     def delete_prefix(self, namespace: str, prefix: str) -> None:
         if self.db is not None:
-            self.db.delete_records(namespace, prefix)
+            try:
+                self.db.delete_records(namespace, prefix)
+            except Exception as exc:  # noqa: BLE001
+                raise storage_error(f"forgetting {namespace}", exc) from exc
 
 
 class Journal:
