@@ -20,10 +20,10 @@ from .reliability_helpers import KEY_A, KEY_B
 
 
 @contextmanager
-def worker(model_dir: Path, storage: Path) -> Iterator[tuple[str, object]]:
+def worker(model_dir: Path, storage: Path, **options) -> Iterator[tuple[str, object]]:
     """A worker in this process (real uvicorn, real HTTP) serving the tiny model as ``tiny``; yields (base URL, app),
-    shut down (its journal closed) after the block."""
-    service = WorkerService({"tiny": str(model_dir)}, storage, "cpu", torch.float32)
+    shut down (its journal closed) after the block. ``options``: WorkerService's (``limits=``, ...)."""
+    service = WorkerService({"tiny": str(model_dir)}, storage, "cpu", torch.float32, **options)
     app = create_app(service, [KEY_A, KEY_B])
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
