@@ -197,6 +197,15 @@ class Checkpoints:
             self.snapshots.pop(ref.path)  # a re-save must not serve the old weights
         return {"path": ref.path, "size": size, "model": run.base_model}
 
+    def room(self, tenant: str) -> int | None:
+        """Bytes left in the tenant's --max-storage-bytes-per-tenant (checkpoints and journal counted); None: no
+        limit."""
+        if not self.max_bytes_per_tenant:
+            return None
+        used = sum(size for _, _, size in self.records(tenant))
+        used += self.journal.tenant_bytes(tenant) if self.journal is not None else 0
+        return self.max_bytes_per_tenant - used
+
     def _check_budget(self, tenant: str, ref: CheckpointRef, tensors: dict) -> None:
         """Refuse a save that would take the tenant's checkpoints past --max-storage-bytes-per-tenant, before any
         byte is written (a checkpoint it overwrites is not counted)."""
@@ -204,9 +213,11 @@ class Checkpoints:
             return
         new = sum(t.numel() * t.element_size() for state in tensors.values() for t in state.values())
         used = sum(size for other, _, size in self.records(tenant) if other.path != ref.path)
+        used += self.journal.tenant_bytes(tenant) if self.journal is not None else 0
         if used + new > self.max_bytes_per_tenant:
             raise WorkerError(507, "storage_budget_exceeded",
-                              f"this API key's checkpoints hold {used} bytes and this one needs about {new} more, past "
+                              f"this API key's checkpoints and journal hold {used} bytes and this one needs about "
+                              f"{new} more, past "
                               f"max_storage_bytes_per_tenant={self.max_bytes_per_tenant}: delete checkpoints (or "
                               "give them a ttl_seconds) or raise --max-storage-bytes-per-tenant")
 

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from server_mock.engine.queue import Job
-from server_mock.errors import storage_error
+from server_mock.errors import WorkerError, storage_error
 from server_mock.storage import records
 from server_mock.storage.files import read_verified, remove_leftovers, write_atomic
 from server_mock.storage.state_db import StateDB
@@ -156,10 +156,17 @@ class Journal:
         return None
 
     def op_accepted(self, run_id: str, seq: int, request_id: str, kind: str, body_hash: str,
-                    record: dict | None, front: dict | None = None) -> None:
+                    record: dict | None, front: dict | None = None, room: int | None = None) -> None:
         """Before the client gets ``request_id``: the op, with what it takes to run it again (and ``front``: what
-        its front end needs to answer it again, in the same transaction)."""
+        its front end needs to answer it again, in the same transaction). ``room``: the bytes its tenant's storage
+        budget has left; a payload larger is refused (507) and nothing is written."""
         payload = records.pack(record) if record is not None else None
+        if room is not None and len(payload or b"") > room:
+            raise WorkerError(507, "storage_budget_exceeded",
+                              f"{kind}: its journal record needs {len(payload or b'')} bytes and this API key's "
+                              f"storage budget has {max(room, 0)} left (--max-storage-bytes-per-tenant counts "
+                              "checkpoints and the journal: ops not yet folded into a saved state, results, "
+                              "records): call optim_step, delete checkpoints, or raise the limit")
         self.db.execute("INSERT OR REPLACE INTO ops (run_id, seq, request_id, kind, body_hash, payload, front) "
                         "VALUES (?, ?, ?, ?, ?, ?, ?)", (run_id, seq, request_id, kind, body_hash, payload,
                                                          json.dumps(front) if front is not None else None))
@@ -330,6 +337,26 @@ class Journal:
                 path.unlink(missing_ok=True)
                 removed += 1
         return removed
+
+    def tenant_bytes(self, tenant: str) -> int:
+        """What the journal holds for ``tenant``: op payloads, request results and bodies, protocol records, and
+        its runs' state files and snapshots' files (counted in --max-storage-bytes-per-tenant)."""
+        (ops,) = self.db.query("SELECT COALESCE(SUM(LENGTH(o.payload)), 0) FROM ops o JOIN runs r ON "
+                               "o.run_id = r.run_id WHERE r.tenant = ?", (tenant,))[0]
+        (requests,) = self.db.query("SELECT COALESCE(SUM(COALESCE(LENGTH(result), 0) + COALESCE(LENGTH(payload), 0)), "
+                                    "0) FROM requests WHERE tenant = ?", (tenant,))[0]
+        (recorded,) = self.db.query("SELECT COALESCE(SUM(LENGTH(value)), 0) FROM records WHERE tenant = ?",
+                                    (tenant,))[0]
+        names = [name for row in self.db.query("SELECT state_file, prev_file FROM runs WHERE tenant = ?", (tenant,))
+                 for name in row if name]
+        names += [name for (name,) in self.db.query("SELECT file FROM snapshots WHERE tenant = ?", (tenant,))]
+        files = 0
+        for name in names:
+            try:
+                files += (self.files / name).stat().st_size
+            except OSError:
+                pass
+        return ops + requests + recorded + files
 
     def bytes_used(self) -> int:
         return sum(p.stat().st_size for p in self.dir.rglob("*") if p.is_file())

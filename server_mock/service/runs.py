@@ -32,6 +32,7 @@ from server_mock.storage.checkpoints import check_name
 
 logger = logging.getLogger("server_mock")
 RUN_ID_RE = re.compile(r"^run-[0-9a-f]{16,32}\Z")
+FORWARD_OPS = ("forward", "forward_backward")  # their payloads stay journaled until the run's state is saved
 
 # Front ends' conversions of an op's result to their wire form, by name: an op queued again after a restart is
 # encoded as its front end asked when it was accepted (register one with ``wire_encoder``).
@@ -59,6 +60,7 @@ class TrainingRun:
     user_metadata: dict[str, str] | None = None  # a front end's labels (Tinker create_model), kept in checkpoints
     last_seq: int = 0
     seqs: dict[int, tuple[str, str]] = field(default_factory=dict)  # seq_id -> (request_id, body hash)
+    pending_forward: int = 0  # forward ops accepted since the last optim_step / load_state (--max-pending-forward-ops)
     admitting: asyncio.Lock = field(default_factory=asyncio.Lock)  # ops from the network, one at a time
 
 
@@ -232,6 +234,10 @@ class Runs:
                           user_metadata=row.meta.get("user_metadata"))
         run.seqs = {op.seq: (op.request_id, op.body_hash) for op in ops}
         run.last_seq = max(run.seqs, default=0)
+        for op in ops:  # the forward ops since its last state op count against --max-pending-forward-ops again
+            if op.seq > state_seq:
+                run.pending_forward = run.pending_forward + 1 if op.kind in FORWARD_OPS else \
+                    0 if op.kind in STATE_OPS else run.pending_forward
         self._runs[run.run_id] = run
         queue = self.models.queue(run.base_model)
         for op in ops:
@@ -386,19 +392,29 @@ class Runs:
         if isinstance(work, BaseException):
             raise work
         prepared = work if isinstance(work, PreparedOp) else self.prepare(run, work)
+        forward = prepared.kind in FORWARD_OPS
+        if forward and run.pending_forward >= self.limits.max_pending_forward_ops:
+            raise WorkerError(409, "too_many_pending_forward_ops",
+                              f"{prepared.kind}: this run took {run.pending_forward} forward ops since its last "
+                              f"optim_step (limit --max-pending-forward-ops={self.limits.max_pending_forward_ops}: "
+                              "each is kept to run again after a restart); call optim_step before more")
         self.budgets.take(tenant, prepared.tokens)  # 429 + Retry-After past the key's tokens a minute
         job = self.requests.new_job(prepared.kind, prepared.work, tenant, request_id=request_id)
         job.encode, job.tokens, job.scope = encode, prepared.tokens, run.run_id
         if self.journal is not None:
             record = None if prepared.record is None else {**prepared.record, "encode": _encoder_name(encode)}
             try:
-                self.journal.op_accepted(run.run_id, seq_id, job.request_id, prepared.kind, body_hash, record, front)
+                room = self.checkpoints.room(tenant) if record is not None else None
+                self.journal.op_accepted(run.run_id, seq_id, job.request_id, prepared.kind, body_hash, record, front,
+                                         room)
             except Exception as exc:  # noqa: BLE001 - a full disk: the op is refused, nothing changed
                 self.requests.discard(job.request_id)
                 self.budgets.give_back(tenant, prepared.tokens)
                 raise storage_error(prepared.kind, exc) from exc
             job.on_result = self._recorder(run, seq_id, prepared.kind)
         run.last_seq = seq_id
+        run.pending_forward = run.pending_forward + 1 if forward else 0 if prepared.kind in STATE_OPS else \
+            run.pending_forward
         run.seqs[seq_id] = (job.request_id, body_hash)
         if len(run.seqs) > SEQS_REMEMBERED:
             run.seqs.pop(min(run.seqs))
