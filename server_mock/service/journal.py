@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import secrets
+import sqlite3
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,7 +111,14 @@ class Journal:
         self.dir = Path(storage) / "durable"
         self.files = self.dir / "files"
         self.files.mkdir(parents=True, exist_ok=True)
-        self.db = StateDB(self.dir / "state.db")
+        try:
+            self.db = StateDB(self.dir / "state.db")
+        except sqlite3.DatabaseError as exc:  # its head is garbage, or it was cut: not one row can be read
+            raise RuntimeError(
+                f"{self.dir / 'state.db'} is not a readable SQLite database ({exc}): the journal is damaged as a "
+                "whole. Stop here and keep it: move state.db, state.db-wal and state.db-shm aside together (an "
+                "SQLite '.recover' may get rows back), then start again with an empty journal; checkpoints under "
+                "--storage are not touched") from None
         self.result_ttl = result_ttl
 
     def close(self) -> None:

@@ -14,6 +14,7 @@ recorded), so the op runs once. Last, each front end's hook (``service.recovery_
 from __future__ import annotations
 
 import logging
+import sqlite3
 import time
 
 from pytrio_compat.wire import LoraSpec, SampleRequest
@@ -30,6 +31,18 @@ async def recover(service) -> dict[str, int]:
     journal = service.journal
     if journal is None:
         return {}
+    try:
+        return await _recover(service, journal)
+    except sqlite3.DatabaseError as exc:
+        if isinstance(exc, sqlite3.OperationalError):
+            raise
+        raise RuntimeError(f"{journal.db.path} is damaged as a whole ({exc}): stop here and keep it: move state.db, "
+                           "state.db-wal and state.db-shm aside together (an SQLite '.recover' may get rows back), "
+                           "then start again with an empty journal; checkpoints under --storage are not touched"
+                           ) from None
+
+
+async def _recover(service, journal) -> dict[str, int]:
     started = time.perf_counter()
     lost = _journal_lost(service)
     counts = {"orphans_removed": (0 if lost else journal.collect_orphans()) + service.store.remove_leftovers(),

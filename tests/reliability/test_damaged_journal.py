@@ -11,6 +11,8 @@ import sqlite3
 import sys
 from pathlib import Path
 
+import pytest
+
 from .reliability_helpers import KEY_A, KEY_B
 from .tenant_worker import client, native_run, worker
 
@@ -91,3 +93,15 @@ def test_a_fresh_storage_starts_quietly(tiny_model_dir, tmp_path, caplog):
     with worker(tiny_model_dir, tmp_path / "storage") as (base, app):
         assert app.state.recovered["quarantined"] == 0
     assert "JOURNAL IS EMPTY" not in caplog.text
+
+
+def test_a_database_damaged_as_a_whole_is_refused_with_what_to_do(tmp_path):
+    from server_mock.service.journal import Journal
+
+    durable = tmp_path / "durable"
+    durable.mkdir()
+    (durable / "state.db").write_bytes(b"this is no database" * 512)
+    with pytest.raises(RuntimeError, match="not a readable SQLite database") as err:
+        Journal(tmp_path, 60.0)
+    assert "state.db-wal" in str(err.value) and "move" in str(err.value)
+    assert (durable / "state.db").read_bytes().startswith(b"this is no database")  # left as it was
