@@ -115,20 +115,23 @@ def _why(exc: BaseException) -> str:
 
 
 def _journal_lost(service) -> bool:
-    """Whether the journal is empty while the storage holds what it would have named (checkpoints, a run's state
-    files): its database was replaced, or its ``state.db-wal`` file deleted after a crash. Said loudly; the state
-    files are then kept (not collected as orphans) for whoever restores the database."""
+    """Whether the journal is empty while the storage holds run state files it would name: its database was
+    replaced, or its ``state.db-wal`` file deleted after a crash. Said loudly; the state files are then kept (not
+    collected as orphans) for whoever restores the database. Checkpoints beside an empty journal are only a warning:
+    they outlive their runs, so that is also what a worker with no live run leaves."""
     journal = service.journal
     if not journal.db.is_empty():
         return False
-    checkpoints = any((service.store.root / "checkpoints").glob("*/*/*"))
-    states = any(journal.files.glob("runs/*/*.bin"))
-    if not (checkpoints or states):
-        return False
+    states = sum(1 for _ in journal.files.glob("runs/*/*.bin"))
     wal = journal.db.path.with_name(journal.db.path.name + "-wal")
-    logger.error("THE JOURNAL IS EMPTY but %s holds %s: nothing of the runs, requests and sessions before this start "
-                 "is restored. Was %s deleted or replaced (%s is part of the state: never delete it)? The run state "
-                 "files under %s are kept; stop the worker and put the database back to restore them",
-                 service.store.root, "checkpoints" if checkpoints else "run state files", journal.db.path, wal.name,
-                 journal.files)
-    return True
+    if states:
+        logger.error("THE JOURNAL IS EMPTY but %s holds %d run state file(s): nothing of the runs, requests and "
+                     "sessions before this start is restored. Was %s deleted or replaced, or %s deleted (it is part "
+                     "of the state: never delete it)? The state files are kept; stop the worker and put the "
+                     "database back to restore them", journal.files, states, journal.db.path, wal.name)
+        return True
+    if any((service.store.root / "checkpoints").glob("*/*/*")):
+        logger.warning("the journal is empty beside checkpoints under %s: expected if no run, sampler or session was "
+                       "live at the last stop; if %s or %s was deleted, the runs of the last process are lost "
+                       "(their checkpoints are not)", service.store.root, journal.db.path.name, wal.name)
+    return False
