@@ -39,6 +39,10 @@ from server_mock.storage.state_db import StateDB
 
 logger = logging.getLogger("server_mock")
 
+# What a row that cannot be read back raises (cut JSON, a value that no longer validates, a field missing or of
+# another type): such a row is quarantined at start. Any other failure (a model that does not load, memory) leaves
+# the row where it is, for the next start.
+DAMAGED_ROW = (ValueError, KeyError, TypeError, IndexError)
 SEQS_REMEMBERED = 4096  # seq_ids per run whose request id and body hash are kept (as in memory)
 STATE_OPS = ("optim_step", "load_state")  # the ops after which a run's state is written
 

@@ -21,7 +21,7 @@ from pytrio_compat.wire import LoraSpec, SampleRequest
 from server_mock.engine.queue import Job
 from server_mock.errors import WorkerError
 from server_mock.lora import Snapshot
-from server_mock.service.journal import to_torch
+from server_mock.service.journal import DAMAGED_ROW, to_torch
 
 logger = logging.getLogger("server_mock")
 
@@ -60,7 +60,7 @@ async def _recover(service, journal) -> dict[str, int]:
         try:
             spec = LoraSpec.model_validate_json(data["spec"])
             snap = Snapshot(data["snapshot_id"], spec, tuple(data["targets"]), to_torch(data["tensors"]))
-        except Exception as exc:  # noqa: BLE001 - one damaged row never stops the worker starting
+        except DAMAGED_ROW as exc:  # one damaged row never stops the worker starting
             journal.quarantine("snapshots", (path,), tenant, _why(exc))
             continue
         service.checkpoints.put_snapshot(path, tenant, base_model, snap)
@@ -72,23 +72,29 @@ async def _recover(service, journal) -> dict[str, int]:
         except WorkerError as exc:
             logger.warning("sampler %s not restored: %s", sampler_id, exc.message)
             journal.sampler_dropped(sampler_id)
-        except Exception as exc:  # noqa: BLE001
+        except DAMAGED_ROW as exc:
             journal.quarantine("samplers", (sampler_id,), tenant, _why(exc))
+        except Exception as exc:  # noqa: BLE001 - not the row's fault: kept for the next start
+            logger.error("sampler %s not restored this time (kept in the journal): %s", sampler_id, _why(exc))
     for row in journal.runs():
         try:
             run = await service.runs.restore(row, journal.ops(row.run_id))
         except WorkerError as exc:  # its model is no longer served, or over a limit
             logger.error("run %s not restored: %s", row.run_id, exc.message)
             run = None
-        except Exception as exc:  # noqa: BLE001 - e.g. a spec that no longer validates: set aside, the rest goes on
+        except DAMAGED_ROW as exc:  # e.g. a spec that no longer validates: set aside, the rest goes on
             journal.quarantine("runs", (row.run_id,), row.tenant, _why(exc))
             service.runs.set_damaged(row.run_id, row.tenant, _why(exc))
+            run = None
+        except Exception as exc:  # noqa: BLE001 - not the row's fault (a model that fails to load): kept
+            logger.error("run %s not restored this time (kept in the journal for the next start): %s", row.run_id,
+                         _why(exc))
             run = None
         counts["runs"] += run is not None
     for rid, tenant, sampler_id, body in journal.unfinished_samples():
         try:
             request = SampleRequest.model_validate_json(body)
-        except Exception as exc:  # noqa: BLE001
+        except DAMAGED_ROW as exc:
             journal.quarantine("requests", (rid,), tenant, _why(exc))
             continue
         try:

@@ -31,6 +31,7 @@ from server_mock.api.pytrio.runs import new_events
 from server_mock.api.pytrio.state import PytrioState, SamplingRun, Session, TemporaryWeights, TrainingRun
 from server_mock.api.pytrio.tokens import Grant
 from server_mock.errors import WorkerError
+from server_mock.service.journal import DAMAGED_ROW
 
 logger = logging.getLogger("server_mock")
 
@@ -43,7 +44,7 @@ async def restore(state: PytrioState) -> dict[str, int]:
     for path, tenant, value in db.records(TEMPORARY):
         try:
             weights = TemporaryWeights(**value)
-        except Exception as exc:  # noqa: BLE001 - one damaged record never stops the worker starting
+        except DAMAGED_ROW as exc:  # one damaged record never stops the worker starting
             _quarantine(db, TEMPORARY, path, tenant, exc)
             continue
         if path in state.service.checkpoints.snapshots:
@@ -53,7 +54,7 @@ async def restore(state: PytrioState) -> dict[str, int]:
     for cuid, tenant, value in db.records(SESSIONS):
         try:
             state.sessions[cuid] = Session(cuid, tenant, value["sdk_version"], value["created"], now)
-        except Exception as exc:  # noqa: BLE001
+        except DAMAGED_ROW as exc:
             _quarantine(db, SESSIONS, cuid, tenant, exc)
             continue
         counts["pytrio_sessions"] += 1
@@ -71,9 +72,14 @@ async def restore(state: PytrioState) -> dict[str, int]:
                               created=value["created"], last_seen=now, init=value["init"], status=value["status"])
             if not await _restore_training(state, run, value, events.get(cuid, {}), counts):
                 continue
-        except Exception as exc:  # noqa: BLE001
+        except DAMAGED_ROW as exc:
             state.training.pop(cuid, None)
             _quarantine(db, TRAINING, cuid, tenant, exc)
+            continue
+        except Exception as exc:  # noqa: BLE001 - not the record's fault: kept for the next start
+            state.training.pop(cuid, None)
+            logger.error("pytrio training run %s not restored this time (kept in the journal): %s: %s", cuid,
+                         type(exc).__name__, exc)
             continue
         session.training.append(cuid)
         counts["pytrio_training_runs"] += 1
@@ -82,7 +88,7 @@ async def restore(state: PytrioState) -> dict[str, int]:
     for cuid, tenant, value in sorted(_readable(db, SAMPLING), key=lambda r: r[2]["created"]):
         try:
             _restore_sampling(state, cuid, tenant, value, now, counts)
-        except Exception as exc:  # noqa: BLE001
+        except DAMAGED_ROW as exc:
             _quarantine(db, SAMPLING, cuid, tenant, exc)
     _restore_samples(state)
     return counts
