@@ -1,5 +1,5 @@
-"""The storage and recovery attacks of docs/reliability.md ("Attack findings: before and after"), scaled to the
-tiny model, each against a real worker process: a damaged journal row and a lost WAL file (7), a run that never
+"""The attacks of docs/reliability.md ("Attacks on the journal, recovery and export, before and after"), scaled
+to the tiny model, each against a real worker process: a damaged journal row and a lost WAL file (7), a run that never
 steps under a storage budget (6), padded PyTRIO events sent together under two parse budgets (5, 8), and an xz
 archive bomb given to the export command (12). One JSON line per check.
 
