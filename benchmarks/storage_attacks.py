@@ -1,9 +1,9 @@
 """The attacks of docs/reliability.md ("Attacks on the journal, recovery and export, before and after"), scaled
-to the tiny model, each against a real worker process: a damaged journal row and a lost WAL file (7), a run that never
-steps under a storage budget (6), padded PyTRIO events sent together under two parse budgets (5, 8), and an xz
-archive bomb given to the export command (12). One JSON line per check.
+to the tiny model, each against a real worker process: a damaged journal row and a lost WAL
+file (recovery), a run that never steps under a storage budget (budget), padded PyTRIO events sent together under
+two parse budgets (events), and an xz archive bomb given to the export command (export). One JSON line each.
 
-    python benchmarks/storage_attacks.py [7] [6] [5] [12]
+    python benchmarks/storage_attacks.py [recovery] [budget] [events] [export]
 """
 
 import io, json, os, sqlite3, subprocess, sys, tarfile, tempfile, threading, time  # noqa: E401
@@ -59,7 +59,7 @@ class Health(threading.Thread):
 
 
 def out(name, **kw):
-    print(json.dumps({"finding": name, **kw}), flush=True)
+    print(json.dumps({"attack": name, **kw}), flush=True)
 
 
 # --- F5 + F8: padded events -------------------------------------------------------------------------------------
@@ -115,7 +115,7 @@ def f5_f8(size_mib, parsing_mib):
         stop[0] = True
         wt.join()
         out(
-            "5+8",
+            "padded_events",
             body_mib=round(len(bodies[0]) / MiB, 1),
             parsing_mib=parsing_mib,
             statuses=[r.status_code for r in res],
@@ -168,7 +168,7 @@ def f6():
                 break
         time.sleep(2)
         out(
-            "6",
+            "never_steps",
             ops_sent=len(codes),
             accepted=codes.count(200),
             refused=codes[-1],
@@ -205,7 +205,7 @@ def f7():
         started = round(time.perf_counter() - t, 2)
         a = httpx.Client(base_url=w.base_url, timeout=60, headers={"X-API-Key": A})
         out(
-            "7",
+            "damaged_row",
             started=True,
             serving_after_s=started,
             kept=a.get(f"/v1/training_runs/{good}").status_code,
@@ -214,7 +214,7 @@ def f7():
         )
         w.kill()
     except RuntimeError as exc:
-        out("7", started=False, error=str(exc)[-200:])
+        out("damaged_row", started=False, error=str(exc)[-200:])
     # lost WAL after kill -9
     st2 = root / "f7wal"
     st2.mkdir()
@@ -226,7 +226,7 @@ def f7():
     w = WorkerProcess(model, st2 / "storage", api_keys=[A, B]).start(w.port)
     w.stop()
     log = (st2 / "worker.log").read_text()
-    out("7-wal", warned="THE JOURNAL IS EMPTY" in log)
+    out("lost_wal", warned="THE JOURNAL IS EMPTY" in log)
 
 
 # --- F12: export bomb and hostile files ----------------------------------------------------------------------------
@@ -258,7 +258,7 @@ def f12():
         env={**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": str(REPO)},
     )
     out(
-        "12",
+        "export_bomb",
         bomb_kib=bomb.stat().st_size // 1024,
         unpacked_mib=64,
         rc=p.returncode,
@@ -268,13 +268,13 @@ def f12():
     )
 
 
-which = sys.argv[1:] or ["5", "6", "7", "12"]
-if "5" in which:
+which = sys.argv[1:] or ["events", "budget", "recovery", "export"]
+if "events" in which:
     f5_f8(8, 32)  # 4 x 8 MiB within a 32 MiB budget: they decode together (as all did before)
     f5_f8(8, 8)  # the budget of one: they decode one after another
-if "6" in which:
+if "budget" in which:
     f6()
-if "7" in which:
+if "recovery" in which:
     f7()
-if "12" in which:
+if "export" in which:
     f12()
