@@ -62,9 +62,9 @@ def out(name, **kw):
     print(json.dumps({"attack": name, **kw}), flush=True)
 
 
-# --- F5 + F8: padded events -------------------------------------------------------------------------------------
-def f5_f8(size_mib, parsing_mib):
-    st = root / f"f5-{size_mib}-{parsing_mib}"
+# --- padded events -------------------------------------------------------------------------------------
+def padded_events(size_mib, parsing_mib):
+    st = root / f"events-{size_mib}-{parsing_mib}"
     st.mkdir()
     w = WorkerProcess(model, st / "storage", "--max-parsing-bytes", str(parsing_mib * MiB), api_keys=[A, B]).start()
     try:
@@ -129,12 +129,12 @@ def f5_f8(size_mib, parsing_mib):
         w.stop()
 
 
-# --- F6: a run that never steps, with a storage budget ---------------------------------------------------------
-def f6():
+# --- a run that never steps, with a storage budget ---------------------------------------------------------
+def never_steps():
     from pytrio_compat.types.tensor import WireTensor
     import numpy as np
 
-    st = root / "f6"
+    st = root / "budget"
     st.mkdir()
     w = WorkerProcess(model, st / "storage", "--max-storage-bytes-per-tenant", "1000000", api_keys=[A, B]).start()
     try:
@@ -179,9 +179,9 @@ def f6():
         w.stop()
 
 
-# --- F7: a damaged row ------------------------------------------------------------------------------------------
-def f7():
-    st = root / "f7"
+# --- a damaged row ------------------------------------------------------------------------------------------
+def damaged_row():
+    st = root / "recovery"
     st.mkdir()
     w = WorkerProcess(model, st / "storage", api_keys=[A, B]).start()
     a = httpx.Client(base_url=w.base_url, timeout=60, headers={"X-API-Key": A})
@@ -216,7 +216,7 @@ def f7():
     except RuntimeError as exc:
         out("damaged_row", started=False, error=str(exc)[-200:])
     # lost WAL after kill -9
-    st2 = root / "f7wal"
+    st2 = root / "lost-wal"
     st2.mkdir()
     w = WorkerProcess(model, st2 / "storage", api_keys=[A, B]).start()
     a = httpx.Client(base_url=w.base_url, timeout=60, headers={"X-API-Key": A})
@@ -229,9 +229,9 @@ def f7():
     out("lost_wal", warned="THE JOURNAL IS EMPTY" in log)
 
 
-# --- F12: export bomb and hostile files ----------------------------------------------------------------------------
-def f12():
-    st = root / "f12"
+# --- export bomb and hostile files ----------------------------------------------------------------------------
+def export_bomb():
+    st = root / "export"
     st.mkdir()
     bomb = st / "bomb.tar.xz"
     with tarfile.open(bomb, "w:xz", preset=0) as tar:
@@ -270,11 +270,11 @@ def f12():
 
 which = sys.argv[1:] or ["events", "budget", "recovery", "export"]
 if "events" in which:
-    f5_f8(8, 32)  # 4 x 8 MiB within a 32 MiB budget: they decode together (as all did before)
-    f5_f8(8, 8)  # the budget of one: they decode one after another
+    padded_events(8, 32)  # 4 x 8 MiB within a 32 MiB budget: they decode together (as all did before)
+    padded_events(8, 8)  # the budget of one: they decode one after another
 if "budget" in which:
-    f6()
+    never_steps()
 if "recovery" in which:
-    f7()
+    damaged_row()
 if "export" in which:
-    f12()
+    export_bomb()
