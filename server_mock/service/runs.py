@@ -215,6 +215,10 @@ class Runs:
         except BaseException:  # nothing of it stays held: the caller sets the row aside
             self._runs.pop(row.run_id, None)
             self.memory.give_back(row.run_id)
+            try:
+                host.drop_adapter(row.run_id)  # at start: nothing else runs on the model yet
+            except Exception:  # noqa: BLE001 - it was never made
+                pass
             raise
 
     async def _restore(self, row: RunRow, ops: list[OpRow], spec: LoraSpec, host, state_seq: int,

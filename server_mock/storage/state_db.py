@@ -165,7 +165,7 @@ class StateDB:
                 continue
             try:
                 out.append((key, tenant, json.loads(value)))
-            except ValueError as exc:
+            except (ValueError, RecursionError) as exc:
                 logger.error("state.db: record %s %r of tenant %s is damaged (%s); moved to the quarantine table",
                              namespace, key, tenant, exc)
                 self.quarantine("records", (namespace, key), f"its value is not JSON: {exc}")
