@@ -59,6 +59,10 @@ class Limits:
     max_adapters: int = setting(256, "training runs on this worker, all keys together")
     max_queued_requests: int = setting(1024, "training ops and samples queued or running, per API key (more get 429 "
                                              "+ Retry-After)")
+    max_pending_forward_ops: int = setting(128, "forward and forward_backward ops one training run may take after "
+                                                "its last optim_step or load_state (their payloads are journaled "
+                                                "and run again after a restart); more get 409 until it steps",
+                                           minimum=1)
     max_samplers: int = setting(1024, "sampling clients kept per API key (its least recently used dropped first)")
     max_snapshots: int = setting(16, "in-memory sampler snapshots kept per API key "
                                      "(save_weights_and_get_sampling_client); its least recently used dropped first")

@@ -27,10 +27,21 @@ def storage_error(what: str, exc: BaseException) -> WorkerError:
     A ``WorkerError`` (a budget refused before writing) passes as it is."""
     if isinstance(exc, WorkerError):
         return exc
-    import errno
-
-    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+    if is_disk_full(exc):
         return WorkerError(507, "storage_full", f"{what}: the disk under --storage is full ({exc}); nothing was "
                                                 "changed: free space and retry")
     return WorkerError(507, "storage_failed", f"{what}: writing to --storage failed: {type(exc).__name__}: {exc}; "
                                               "nothing was changed")
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """Whether ``exc`` says the disk (or the quota) under --storage is full: ENOSPC/EDQUOT from a file write, or
+    SQLite's 'database or disk is full' (SQLITE_FULL) from the journal."""
+    import errno
+    import sqlite3
+
+    if isinstance(exc, OSError):
+        return exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    if isinstance(exc, sqlite3.OperationalError):
+        return getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL or "database or disk is full" in str(exc)
+    return False

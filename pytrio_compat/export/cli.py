@@ -83,7 +83,7 @@ def run(options: argparse.Namespace, adapter_folder: Callable[[str], Path | None
 def _adapter_base(folder: Path) -> str:
     try:
         base = json.loads((folder / CONFIG_FILE).read_text()).get("base_model_name_or_path")
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         base = None
     if not isinstance(base, str) or not base:
         raise ExportError(f"{folder / CONFIG_FILE} names no base model: pass --base MODEL")

@@ -129,8 +129,12 @@ def _fold(weight, lora_a, lora_b, scale: float, torch):
     if tuple(weight.shape) != (lora_b.shape[0], lora_a.shape[1]):
         raise ExportError(f"a tensor of shape {tuple(weight.shape)} cannot take a LoRA of shape "
                           f"{tuple(lora_b.shape)} x {tuple(lora_a.shape)}")
-    merged = weight.to(torch.float32) + scale * (lora_b.to(torch.float32) @ lora_a.to(torch.float32))
-    return merged.to(weight.dtype)
+    merged = (weight.to(torch.float32) + scale * (lora_b.to(torch.float32) @ lora_a.to(torch.float32))).to(weight.dtype)
+    if merged.is_floating_point() and not bool(merged.isfinite().all()) and bool(weight.isfinite().all()):
+        raise ExportError(f"merging a LoRA of scale {scale:g} into a {tuple(weight.shape)} tensor gives NaN or "
+                          f"infinite weights in {str(weight.dtype).removeprefix('torch.')}: the adapter's values or "
+                          "lora_alpha are out of range")
+    return merged
 
 
 class _Untie:

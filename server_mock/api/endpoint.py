@@ -19,7 +19,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from server_mock.api.body_budget import TENANT_SCOPE_KEY
-from server_mock.errors import WorkerError
+from server_mock.errors import WorkerError, is_disk_full, storage_error
 
 logger = logging.getLogger("server_mock")
 
@@ -45,6 +45,9 @@ def endpoint(handler: Handler, *, tenant_of: TenantOf, render_error: RenderError
             logger.debug("client disconnected while sending %s", request.url.path)
             return Response(status_code=499)
         except Exception as exc:  # noqa: BLE001 - never a bare 500 without a message
+            if is_disk_full(exc):  # a write under --storage the disk refused: 507, as every recorded write
+                logger.error("%s: %s", request.url.path, exc)
+                return _tagged(render_error(storage_error(request.url.path, exc)), request_id)
             logger.exception("%sunhandled error in %s (request %s)", f"{protocol}: " if protocol else "",
                              request.url.path, request_id)
             return _tagged(render_error(WorkerError(500, "internal_error", f"{type(exc).__name__}: {exc}")),

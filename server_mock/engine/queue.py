@@ -429,14 +429,15 @@ SERVER_ERROR_CODES = {"internal_error", "out_of_memory", "storage_full", "storag
 
 async def job_result(job: Job, convert: Callable[[dict], Any] | None = None) -> Any:
     """Wait for a job; its result through ``convert`` (which may be async), or its error as a WorkerError:
-    500 for the worker's own failures (``SERVER_ERROR_CODES``), 400 for anything the request caused."""
+    507 for a write under --storage the disk refused, 500 for the worker's other own failures
+    (``SERVER_ERROR_CODES``), 400 for anything the request caused."""
     if job.done is not None:
         await job.done.wait()
     if job.status == "failed":
         err = job.error
         if err is None:
             raise WorkerError(500, "internal_error", f"{job.kind} failed")
-        status = 500 if err.code in SERVER_ERROR_CODES else 507 if err.status == 507 else 400
+        status = 507 if err.status == 507 else 500 if err.code in SERVER_ERROR_CODES else 400
         raise WorkerError(status, err.code, err.message, err.field)
     result = job.result or {}
     if convert is None:

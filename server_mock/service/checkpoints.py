@@ -211,6 +211,15 @@ class Checkpoints:
             self.snapshots.pop(ref.path)  # a re-save must not serve the old weights
         return {"path": ref.path, "size": size, "model": run.base_model}
 
+    def room(self, tenant: str) -> int | None:
+        """Bytes left in the tenant's --max-storage-bytes-per-tenant (checkpoints and journal counted); None: no
+        limit."""
+        if not self.max_bytes_per_tenant:
+            return None
+        used = self._used(tenant)
+        used += self.journal.tenant_bytes(tenant) if self.journal is not None else 0
+        return self.max_bytes_per_tenant - used
+
     def _check_budget(self, tenant: str, ref: CheckpointRef, tensors: dict) -> None:
         """Refuse a save that would take the tenant's checkpoints (and their cached download archives) past
         --max-storage-bytes-per-tenant, before any byte is written (a checkpoint it overwrites is not counted)."""
@@ -218,11 +227,13 @@ class Checkpoints:
             return
         new = sum(t.numel() * t.element_size() for state in tensors.values() for t in state.values())
         used = self._used(tenant, skip=ref.path)
+        used += self.journal.tenant_bytes(tenant) if self.journal is not None else 0
         if used + new > self.max_bytes_per_tenant:
             raise WorkerError(507, "storage_budget_exceeded",
-                              f"this API key's checkpoints (with their archives) hold {used} bytes and this one "
-                              f"needs about {new} more, past max_storage_bytes_per_tenant={self.max_bytes_per_tenant}: "
-                              "delete checkpoints (or give them a ttl_seconds) or raise --max-storage-bytes-per-tenant")
+                              f"this API key's checkpoints (with their archives) and journal hold {used} bytes and "
+                              f"this one needs about {new} more, past "
+                              f"max_storage_bytes_per_tenant={self.max_bytes_per_tenant}: delete checkpoints (or "
+                              "give them a ttl_seconds) or raise --max-storage-bytes-per-tenant")
 
     def save_export(self, run, host: ModelHost, name: str, ttl_seconds: int | None, layout: ExportLayout,
                     recipients: list) -> dict:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import secrets
+import sqlite3
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,12 +32,17 @@ import numpy as np
 import torch
 
 from server_mock.engine.queue import Job
+from server_mock.errors import WorkerError, storage_error
 from server_mock.storage import records
 from server_mock.storage.files import read_verified, remove_leftovers, write_atomic
 from server_mock.storage.state_db import StateDB
 
 logger = logging.getLogger("server_mock")
 
+# What a row that cannot be read back raises (cut JSON, a value that no longer validates, a field missing or of
+# another type): such a row is quarantined at start. Any other failure (a model that does not load, memory) leaves
+# the row where it is, for the next start.
+DAMAGED_ROW = (ValueError, KeyError, TypeError, IndexError)
 SEQS_REMEMBERED = 4096  # seq_ids per run whose request id and body hash are kept (as in memory)
 STATE_OPS = ("optim_step", "load_state")  # the ops after which a run's state is written
 
@@ -82,16 +88,26 @@ class FrontRecords:
         return self.db is not None
 
     def put(self, namespace: str, key: str, tenant: str, value: Any) -> None:
+        """Record ``value``; a write the disk refuses raises 507 (``storage_full`` when it is full)."""
         if self.db is not None:
-            self.db.put_record(namespace, key, tenant, value)
+            try:
+                self.db.put_record(namespace, key, tenant, value)
+            except Exception as exc:  # noqa: BLE001 - e.g. sqlite3 'database or disk is full'
+                raise storage_error(f"recording {namespace}", exc) from exc
 
     def delete(self, namespace: str, key: str) -> None:
         if self.db is not None:
-            self.db.delete_record(namespace, key)
+            try:
+                self.db.delete_record(namespace, key)
+            except Exception as exc:  # noqa: BLE001
+                raise storage_error(f"forgetting {namespace}", exc) from exc
 
     def delete_prefix(self, namespace: str, prefix: str) -> None:
         if self.db is not None:
-            self.db.delete_records(namespace, prefix)
+            try:
+                self.db.delete_records(namespace, prefix)
+            except Exception as exc:  # noqa: BLE001
+                raise storage_error(f"forgetting {namespace}", exc) from exc
 
 
 class Journal:
@@ -99,7 +115,14 @@ class Journal:
         self.dir = Path(storage) / "durable"
         self.files = self.dir / "files"
         self.files.mkdir(parents=True, exist_ok=True)
-        self.db = StateDB(self.dir / "state.db")
+        try:
+            self.db = StateDB(self.dir / "state.db")
+        except sqlite3.DatabaseError as exc:  # its head is garbage, or it was cut: not one row can be read
+            raise RuntimeError(
+                f"{self.dir / 'state.db'} is not a readable SQLite database ({exc}): the journal is damaged as a "
+                "whole. Stop here and keep it: move state.db, state.db-wal and state.db-shm aside together (an "
+                "SQLite '.recover' may get rows back), then start again with an empty journal; checkpoints under "
+                "--storage are not touched") from None
         self.result_ttl = result_ttl
 
     def close(self) -> None:
@@ -145,10 +168,17 @@ class Journal:
         return None
 
     def op_accepted(self, run_id: str, seq: int, request_id: str, kind: str, body_hash: str,
-                    record: dict | None, front: dict | None = None) -> None:
+                    record: dict | None, front: dict | None = None, room: int | None = None) -> None:
         """Before the client gets ``request_id``: the op, with what it takes to run it again (and ``front``: what
-        its front end needs to answer it again, in the same transaction)."""
+        its front end needs to answer it again, in the same transaction). ``room``: the bytes its tenant's storage
+        budget has left; a payload larger is refused (507) and nothing is written."""
         payload = records.pack(record) if record is not None else None
+        if room is not None and len(payload or b"") > room:
+            raise WorkerError(507, "storage_budget_exceeded",
+                              f"{kind}: its journal record needs {len(payload or b'')} bytes and this API key's "
+                              f"storage budget has {max(room, 0)} left (--max-storage-bytes-per-tenant counts "
+                              "checkpoints and the journal: ops not yet folded into a saved state, results, "
+                              "records): call optim_step, delete checkpoints, or raise the limit")
         self.db.execute("INSERT OR REPLACE INTO ops (run_id, seq, request_id, kind, body_hash, payload, front) "
                         "VALUES (?, ?, ?, ?, ?, ?, ?)", (run_id, seq, request_id, kind, body_hash, payload,
                                                          json.dumps(front) if front is not None else None))
@@ -189,14 +219,28 @@ class Journal:
                 "SELECT run_id, tenant, base_model, spec, meta, state_seq, state_file, state_sha, prev_seq, "
                 "prev_file, prev_sha FROM runs ORDER BY created"):
             states = [(seq, name, sha)] + ([(prev_seq, prev_name, prev_sha)] if prev_name else [])
-            out.append(RunRow(run_id, tenant, base_model, spec, json.loads(meta), states))
+            try:
+                out.append(RunRow(run_id, tenant, base_model, spec, json.loads(meta), states))
+            except ValueError as exc:
+                self.quarantine("runs", (run_id,), tenant, f"its meta is not JSON: {exc}")
         return out
 
     def ops(self, run_id: str) -> list[OpRow]:
-        return [OpRow(seq, rid, kind, body_hash, payload, bool(done), json.loads(front) if front else None)
-                for seq, rid, kind, body_hash, payload, done, front in
-                self.db.query("SELECT seq, request_id, kind, body_hash, payload, done, front FROM ops WHERE run_id = ? "
-                              "ORDER BY seq", (run_id,))]
+        out = []
+        for seq, rid, kind, body_hash, payload, done, front in self.db.query(
+                "SELECT seq, request_id, kind, body_hash, payload, done, front FROM ops WHERE run_id = ? ORDER BY seq",
+                (run_id,)):
+            try:
+                out.append(OpRow(seq, rid, kind, body_hash, payload, bool(done), json.loads(front) if front else None))
+            except ValueError as exc:
+                self.quarantine("ops", (run_id, seq), None, f"its front is not JSON: {exc}")
+        return out
+
+    def quarantine(self, table: str, key: tuple, tenant: str | None, reason: str) -> None:
+        """A row that cannot be taken up at start: moved aside whole (``StateDB.quarantine``), logged with its key."""
+        logger.error("state.db: %s row %s (tenant %s) cannot be restored: %s; moved to the quarantine table, the "
+                     "rest is restored", table, ":".join(map(str, key)), tenant, reason)
+        self.db.quarantine(table, key, reason)
 
     # --- requests --------------------------------------------------------------------------------------------
 
@@ -233,8 +277,11 @@ class Journal:
         for rid, tenant, kind, status, result, error, finished in self.db.query(
                 "SELECT request_id, tenant, kind, status, result, error, finished FROM requests "
                 "WHERE finished IS NOT NULL AND finished >= ? ORDER BY finished", (time.time() - self.result_ttl,)):
-            out.append((rid, tenant, kind, status, records.unpack(result) if result is not None else None,
-                        json.loads(error) if error else None, finished))
+            try:
+                out.append((rid, tenant, kind, status, records.unpack(result) if result is not None else None,
+                            json.loads(error) if error else None, finished))
+            except Exception as exc:  # noqa: BLE001 - a damaged row: set aside, the others are restored
+                self.quarantine("requests", (rid,), tenant, f"its result or error cannot be read: {exc}")
         return out
 
     def unfinished_samples(self) -> list[tuple[str, str, str, str]]:
@@ -295,11 +342,33 @@ class Journal:
         removed = remove_leftovers(self.files)
         named = {name for row in self.db.query("SELECT state_file, prev_file FROM runs") for name in row if name}
         named |= {name for (name,) in self.db.query("SELECT file FROM snapshots")}
+        for _source, _key, _tenant, _reason, row in self.db.quarantined("runs"):  # kept for whoever repairs them
+            named |= {row.get("state_file"), row.get("prev_file")}
         for path in self.files.rglob("*.bin"):
             if path.relative_to(self.files).as_posix() not in named:
                 path.unlink(missing_ok=True)
                 removed += 1
         return removed
+
+    def tenant_bytes(self, tenant: str) -> int:
+        """What the journal holds for ``tenant``: op payloads, request results and bodies, protocol records, and
+        its runs' state files and snapshots' files (counted in --max-storage-bytes-per-tenant)."""
+        (ops,) = self.db.query("SELECT COALESCE(SUM(LENGTH(o.payload)), 0) FROM ops o JOIN runs r ON "
+                               "o.run_id = r.run_id WHERE r.tenant = ?", (tenant,))[0]
+        (requests,) = self.db.query("SELECT COALESCE(SUM(COALESCE(LENGTH(result), 0) + COALESCE(LENGTH(payload), 0)), "
+                                    "0) FROM requests WHERE tenant = ?", (tenant,))[0]
+        (recorded,) = self.db.query("SELECT COALESCE(SUM(LENGTH(value)), 0) FROM records WHERE tenant = ?",
+                                    (tenant,))[0]
+        names = [name for row in self.db.query("SELECT state_file, prev_file FROM runs WHERE tenant = ?", (tenant,))
+                 for name in row if name]
+        names += [name for (name,) in self.db.query("SELECT file FROM snapshots WHERE tenant = ?", (tenant,))]
+        files = 0
+        for name in names:
+            try:
+                files += (self.files / name).stat().st_size
+            except OSError:
+                pass
+        return ops + requests + recorded + files
 
     def bytes_used(self) -> int:
         return sum(p.stat().st_size for p in self.dir.rglob("*") if p.is_file())

@@ -32,6 +32,7 @@ from server_mock.storage.checkpoints import check_name
 
 logger = logging.getLogger("server_mock")
 RUN_ID_RE = re.compile(r"^run-[0-9a-f]{16,32}\Z")
+FORWARD_OPS = ("forward", "forward_backward")  # their payloads stay journaled until the run's state is saved
 
 # Front ends' conversions of an op's result to their wire form, by name: an op queued again after a restart is
 # encoded as its front end asked when it was accepted (register one with ``wire_encoder``).
@@ -59,7 +60,15 @@ class TrainingRun:
     user_metadata: dict[str, str] | None = None  # a front end's labels (Tinker create_model), kept in checkpoints
     last_seq: int = 0
     seqs: dict[int, tuple[str, str]] = field(default_factory=dict)  # seq_id -> (request_id, body hash)
+    pending_forward: int = 0  # forward ops accepted since the last optim_step / load_state (--max-pending-forward-ops)
     admitting: asyncio.Lock = field(default_factory=asyncio.Lock)  # ops from the network, one at a time
+
+
+def run_damaged(training_run_id: str, reason: str) -> WorkerError:
+    return WorkerError(410, "training_run_damaged",
+                       f"training_run: {training_run_id} could not be restored after the worker restarted: its record "
+                       f"in the journal is damaged ({reason}); it was moved to the quarantine table of "
+                       "durable/state.db. Start a new run from its last checkpoint", "training_run_id")
 
 
 def _raiser(exc: WorkerError) -> Callable[[], dict]:
@@ -94,6 +103,8 @@ class Runs:
         # adapter memory, estimated from the model's layout when a run is created
         self.memory = memory or ByteBudget(1 << 62, 1 << 62, "lora", "max_adapter_bytes", "max_adapter_bytes_total")
         self._runs: dict[str, TrainingRun] = {}
+        # runs whose journal row could not be taken up at the last start: run id -> (tenant, why)
+        self.damaged: dict[str, tuple[str, str]] = {}
 
     def __len__(self) -> int:
         return len(self._runs)
@@ -199,6 +210,19 @@ class Runs:
         host = await self.models.host(row.base_model)
         self.memory.take(row.run_id, row.tenant, await self.adapter_bytes(row.base_model, spec, row.tenant),
                          f"a rank-{spec.rank} adapter on {row.base_model} (restored)")
+        try:
+            return await self._restore(row, ops, spec, host, state_seq, state)
+        except BaseException:  # nothing of it stays held: the caller sets the row aside
+            self._runs.pop(row.run_id, None)
+            self.memory.give_back(row.run_id)
+            try:
+                host.drop_adapter(row.run_id)  # at start: nothing else runs on the model yet
+            except Exception:  # noqa: BLE001 - it was never made
+                pass
+            raise
+
+    async def _restore(self, row: RunRow, ops: list[OpRow], spec: LoraSpec, host, state_seq: int,
+                       state: dict) -> TrainingRun:
         made: list = []
 
         def build() -> dict:
@@ -214,6 +238,10 @@ class Runs:
                           user_metadata=row.meta.get("user_metadata"))
         run.seqs = {op.seq: (op.request_id, op.body_hash) for op in ops}
         run.last_seq = max(run.seqs, default=0)
+        for op in ops:  # the forward ops since its last state op count against --max-pending-forward-ops again
+            if op.seq > state_seq:
+                run.pending_forward = run.pending_forward + 1 if op.kind in FORWARD_OPS else \
+                    0 if op.kind in STATE_OPS else run.pending_forward
         self._runs[run.run_id] = run
         queue = self.models.queue(run.base_model)
         for op in ops:
@@ -229,13 +257,23 @@ class Runs:
                 logger.error("run %s: op %d has no payload to run again; the run continues from seq_id %d",
                              run.run_id, op.seq, state_seq)
                 break
-            record = records.unpack(op.payload)
-            if record["op"] == "SaveOp" and not op.done:  # it may have been written before the crash: again
+            try:
+                record = records.unpack(op.payload)
+                kind = record["op"]
+            except Exception as exc:  # noqa: BLE001 - a damaged payload: the ops after it cannot run in order
+                logger.error("run %s: op %d's payload cannot be read (%s); the run continues from seq_id %d",
+                             run.run_id, op.seq, exc, state_seq)
+                break
+            if kind == "SaveOp" and not op.done:  # it may have been written before the crash: again
                 record["body"]["overwrite"] = True
             try:
                 prepared = self.from_record(run, record)
             except WorkerError as exc:  # e.g. a checkpoint to load that is gone now
                 prepared = PreparedOp(op.kind, _raiser(exc))
+            except Exception as exc:  # noqa: BLE001 - a record that no longer validates: its poll gets why
+                prepared = PreparedOp(op.kind, _raiser(WorkerError(
+                    500, "journal_damaged", f"{op.kind}: its journal record could not be read after a restart "
+                                            f"({type(exc).__name__}); call it again")))
             if op.done:  # its result is recorded: run it again only for the state it leaves
                 if op.kind in ("forward_backward", *STATE_OPS):
                     queue.put(Job(f"replay-{op.request_id}", op.kind, prepared.work, owner=run.tenant))
@@ -257,8 +295,15 @@ class Runs:
     def get(self, training_run_id: str, tenant: str) -> TrainingRun:
         run = self._runs.get(training_run_id)
         if run is None or run.tenant != tenant:
+            damaged = self.damaged.get(training_run_id)
+            if run is None and damaged is not None and damaged[0] == tenant:
+                raise run_damaged(training_run_id, damaged[1])
             raise not_found("training_run", training_run_id)
         return run
+
+    def set_damaged(self, training_run_id: str, tenant: str, reason: str) -> None:
+        """A run whose journal row was set aside at start: its owner is told so (410) instead of 'unknown'."""
+        self.damaged[training_run_id] = (tenant, reason)
 
     async def delete(self, training_run_id: str, tenant: str) -> None:
         run = self.get(training_run_id, tenant)
@@ -351,19 +396,29 @@ class Runs:
         if isinstance(work, BaseException):
             raise work
         prepared = work if isinstance(work, PreparedOp) else self.prepare(run, work)
+        forward = prepared.kind in FORWARD_OPS
+        if forward and run.pending_forward >= self.limits.max_pending_forward_ops:
+            raise WorkerError(409, "too_many_pending_forward_ops",
+                              f"{prepared.kind}: this run took {run.pending_forward} forward ops since its last "
+                              f"optim_step (limit --max-pending-forward-ops={self.limits.max_pending_forward_ops}: "
+                              "each is kept to run again after a restart); call optim_step before more")
         self.budgets.take(tenant, prepared.tokens)  # 429 + Retry-After past the key's tokens a minute
         job = self.requests.new_job(prepared.kind, prepared.work, tenant, request_id=request_id)
         job.encode, job.tokens, job.scope = encode, prepared.tokens, run.run_id
         if self.journal is not None:
             record = None if prepared.record is None else {**prepared.record, "encode": _encoder_name(encode)}
             try:
-                self.journal.op_accepted(run.run_id, seq_id, job.request_id, prepared.kind, body_hash, record, front)
+                room = self.checkpoints.room(tenant) if record is not None else None
+                self.journal.op_accepted(run.run_id, seq_id, job.request_id, prepared.kind, body_hash, record, front,
+                                         room)
             except Exception as exc:  # noqa: BLE001 - a full disk: the op is refused, nothing changed
                 self.requests.discard(job.request_id)
                 self.budgets.give_back(tenant, prepared.tokens)
                 raise storage_error(prepared.kind, exc) from exc
             job.on_result = self._recorder(run, seq_id, prepared.kind)
         run.last_seq = seq_id
+        run.pending_forward = run.pending_forward + 1 if forward else 0 if prepared.kind in STATE_OPS else \
+            run.pending_forward
         run.seqs[seq_id] = (job.request_id, body_hash)
         if len(run.seqs) > SEQS_REMEMBERED:
             run.seqs.pop(min(run.seqs))

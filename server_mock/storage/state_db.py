@@ -15,6 +15,7 @@ transaction. ``synchronous`` is FULL by default (a commit is on disk before it r
 from __future__ import annotations
 
 import json
+import logging
 import sqlite3
 import threading
 import time
@@ -22,6 +23,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+logger = logging.getLogger("server_mock")
 
 SCHEMA_VERSION = 2  # 2: ops and requests carry a front end's own fields (``front``, JSON)
 
@@ -50,6 +53,18 @@ CREATE TABLE IF NOT EXISTS records (
     PRIMARY KEY (namespace, key));
 """
 
+# Rows that could not be read back at start (cut JSON, a value that no longer validates), moved here whole, with
+# why, so that the rest of the state is taken up and an operator can look at (or repair and move back) each one.
+# Created on every open (schema 2 and older databases get it too).
+_QUARANTINE = """
+CREATE TABLE IF NOT EXISTS quarantine (
+    source TEXT NOT NULL, key TEXT NOT NULL, tenant TEXT, reason TEXT NOT NULL, row TEXT NOT NULL,
+    moved REAL NOT NULL);
+"""
+
+_KEYS = {"runs": ("run_id",), "requests": ("request_id",), "samplers": ("sampler_id",), "snapshots": ("path",),
+         "ops": ("run_id", "seq"), "records": ("namespace", "key")}
+
 
 class StateDB:
     def __init__(self, path: str | Path, synchronous: str = "FULL") -> None:
@@ -69,6 +84,7 @@ class StateDB:
             self._db.executescript("ALTER TABLE ops ADD COLUMN front TEXT; ALTER TABLE requests ADD COLUMN front TEXT;")
         if version < SCHEMA_VERSION:
             self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        self._db.executescript(_QUARANTINE)
 
     @contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:
@@ -90,6 +106,36 @@ class StateDB:
         with self.transaction() as db:
             return db.execute(sql, args).rowcount
 
+    def quarantine(self, table: str, key: tuple, reason: str) -> None:
+        """Move one row of ``table`` (its primary key: ``key``) to the quarantine table, with ``reason``; in one
+        transaction. Its blobs are kept as hex."""
+        names = _KEYS[table]
+        where = " AND ".join(f"{name} = ?" for name in names)
+        with self.transaction() as db:
+            cursor = db.execute(f"SELECT * FROM {table} WHERE {where}", key)
+            found = cursor.fetchone()
+            if found is None:
+                return
+            row = {col[0]: (value.hex() if isinstance(value, bytes) else value)
+                   for col, value in zip(cursor.description, found)}
+            shown = ":".join(str(part) for part in (key[1:] if table == "records" else key))
+            source = f"records:{key[0]}" if table == "records" else table
+            db.execute("INSERT INTO quarantine VALUES (?, ?, ?, ?, ?, ?)",
+                       (source, shown, row.get("tenant"), reason, json.dumps(row), time.time()))
+            db.execute(f"DELETE FROM {table} WHERE {where}", key)
+
+    def quarantined(self, source: str | None = None) -> list[tuple[str, str, str | None, str, dict]]:
+        """(source, key, tenant, reason, row) of each quarantined row (of ``source``: a table, or
+        ``records:<namespace>``), oldest first."""
+        sql = "SELECT source, key, tenant, reason, row FROM quarantine"
+        rows = self.query(sql + (" WHERE source = ?" if source else "") + " ORDER BY moved",
+                          (source,) if source else ())
+        return [(src, key, tenant, reason, json.loads(row)) for src, key, tenant, reason, row in rows]
+
+    def is_empty(self) -> bool:
+        """Whether no table holds a row (a new database, or one whose WAL file was lost)."""
+        return not any(self.query(f"SELECT 1 FROM {table} LIMIT 1") for table in _KEYS)
+
     def close(self) -> None:
         with self._lock:
             self._db.close()
@@ -110,10 +156,20 @@ class StateDB:
         return rows[0][0], json.loads(rows[0][1])
 
     def records(self, namespace: str) -> list[tuple[str, str, Any]]:
+        """The live records of ``namespace``; one whose value is not JSON (a damaged row) is quarantined, logged."""
         now = time.time()
-        return [(key, tenant, json.loads(value)) for key, tenant, value, expires in
-                self.query("SELECT key, tenant, value, expires FROM records WHERE namespace = ?", (namespace,))
-                if expires is None or expires >= now]
+        out = []
+        for key, tenant, value, expires in self.query(
+                "SELECT key, tenant, value, expires FROM records WHERE namespace = ?", (namespace,)):
+            if expires is not None and expires < now:
+                continue
+            try:
+                out.append((key, tenant, json.loads(value)))
+            except (ValueError, RecursionError) as exc:
+                logger.error("state.db: record %s %r of tenant %s is damaged (%s); moved to the quarantine table",
+                             namespace, key, tenant, exc)
+                self.quarantine("records", (namespace, key), f"its value is not JSON: {exc}")
+        return out
 
     def delete_record(self, namespace: str, key: str) -> None:
         with self.transaction() as db:

@@ -1,6 +1,6 @@
-"""--max-storage-bytes-per-tenant: a save that would take an API key's checkpoints past it is refused (507 naming the
-flag) before anything is written, exactly at the limit it is taken; and a disk that refuses a write leaves no
-checkpoint half written."""
+"""--max-storage-bytes-per-tenant: a save that would take an API key's checkpoints and journal past it is refused
+(507 naming the flag) before anything is written, exactly at the limit it is taken; and a disk that refuses a write
+leaves no checkpoint half written."""
 
 from __future__ import annotations
 
@@ -10,6 +10,10 @@ from support import WorkerProcess
 
 import pytrio_compat as trio
 from pytrio_compat.errors import PyTrioError
+
+from pytrio_compat.wire import SaveOp
+from server_mock.service.journal import Journal
+from server_mock.storage import records
 
 from .reliability_helpers import datum
 
@@ -34,8 +38,14 @@ def test_budget_refuses_a_save_past_it_and_takes_one_at_it(past, tiny_model_dir,
         tc.forward_backward([datum()]).result()
         tc.optim_step(trio.AdamParams(learning_rate=1e-2)).result()
         first = storage / "checkpoints" / tc.save_state("a").result().path[len("trio://"):]
-        budget = folder_bytes(first) + tensor_bytes(first) - past  # what "a" holds + what "b" will need
         worker.stop()
+        journal = Journal(storage, 3600.0)
+        journaled = journal.tenant_bytes("default")  # the journal counts too: the run's state, ops, results
+        journal.close()
+        save_record = len(records.pack({"op": "SaveOp", "body": SaveOp(op="save_state", name="b").model_dump(
+            mode="json"), "encode": None}))  # journaled when the save is accepted, before it runs
+        # what "a" and the journal hold + what "b" will need
+        budget = folder_bytes(first) + tensor_bytes(first) + journaled + save_record - past
 
         worker = WorkerProcess(tiny_model_dir, storage, "--max-storage-bytes-per-tenant", str(budget)).start(
             worker.port)
@@ -46,11 +56,14 @@ def test_budget_refuses_a_save_past_it_and_takes_one_at_it(past, tiny_model_dir,
             assert err.value.code == "storage_budget_exceeded"
             assert "--max-storage-bytes-per-tenant" in str(err.value)
             assert not second.exists() and not list(second.parent.glob(".b*"))
+            # the run itself is unharmed: the budget still has room for an op
+            assert tc.forward_backward([datum(1)]).result(timeout=30).metrics["token_count"] == 19.0
         else:
             tc.save_state("b").result(timeout=30)
             assert second.exists()
-        # the run itself is unharmed either way
-        assert tc.forward_backward([datum(1)]).result(timeout=30).metrics["token_count"] == 19.0
+            with pytest.raises(PyTrioError) as err:  # the budget is spent: the next op's record is refused
+                tc.forward_backward([datum(1)]).result(timeout=30)
+            assert err.value.code == "storage_budget_exceeded" and "--max-storage-bytes-per-tenant" in str(err.value)
     finally:
         client.close()
         worker.stop()

@@ -10,6 +10,9 @@ Under ``--durability full`` an event is acknowledged only once a restart cannot 
 once its body is recorded; any other event once its op is journaled by the service (or it has ended), which
 takes the time to check its datums, or, past ``--pytrio-ack-wait`` seconds (events queued behind a slow init),
 once its body is recorded to run again after a restart. A failed answer is recorded before it is sent.
+Records are written in a worker thread, never on the event loop.
+An envelope holds only the keys the SDK sends (``ENVELOPE_KEYS``, ``METADATA_KEYS``): any other is refused (400
+naming it), so a body cannot carry bytes that nobody reads into the journal.
 """
 
 from __future__ import annotations
@@ -68,6 +71,12 @@ def msgpack_limits(state: PytrioState) -> MsgpackLimits:
                          max_array_len=max(tokens, 4096))
 
 
+# The keys of an event envelope and of its metadata (what the SDK sends, pytrio 0.2.9); any other key is refused,
+# so that nothing nobody reads is decoded, kept or journaled.
+ENVELOPE_KEYS = ("version", "event_id", "type", "metadata", "payload")
+METADATA_KEYS = ("index", "step", "timestamp", "sdk", "sdk_version", "run_id")
+
+
 def decode_event(raw: bytes, limits: MsgpackLimits) -> wire.EventEnvelopeIn:
     """A submit body as an event envelope; 400 naming the problem for anything that is not one."""
     try:
@@ -76,6 +85,15 @@ def decode_event(raw: bytes, limits: MsgpackLimits) -> wire.EventEnvelopeIn:
         raise WorkerError(413 if exc.code == "body_too_large" else 400, exc.code, str(exc), "body") from None
     if not isinstance(data, dict):
         raise WorkerError(400, "invalid_event", "body: an event is a msgpack map", "body")
+    for where, keys, known in (("", data, ENVELOPE_KEYS),
+                               ("metadata.", data.get("metadata") if isinstance(data.get("metadata"), dict) else {},
+                                METADATA_KEYS)):
+        unknown = [key for key in keys if key not in known]
+        if unknown:
+            name = f"{where}{str(unknown[0])[:64]}"
+            part = f"event {where[:-1]}" if where else "event"
+            raise WorkerError(400, "invalid_event", f"{name}: unknown key in the {part} (it holds only "
+                                                    f"{', '.join(known)}); send only these", name)
     try:
         return wire.EventEnvelopeIn.model_validate(data)
     except PydanticValidationError as exc:
@@ -104,7 +122,11 @@ async def submit_event(state: PytrioState, request: Request):
     raw = await bodies.read_body(request, state.service.limits.max_body_bytes)
     limits = msgpack_limits(state)
     big = len(raw) > bodies.BIG_BODY_BYTES
-    envelope = await asyncio.to_thread(decode_event, raw, limits) if big else decode_event(raw, limits)
+    if big:  # decoded within the worker's parse budget (--max-parsing-bytes), as large JSON bodies are parsed
+        async with bodies.parsing(request, len(raw)):
+            envelope = await asyncio.to_thread(decode_event, raw, limits)
+    else:
+        envelope = decode_event(raw, limits)
     training_run(state, grant, envelope.metadata.run_id)
     digest = hashlib.sha256(raw).digest()
     table = run.events
@@ -136,15 +158,15 @@ async def submit_event(state: PytrioState, request: Request):
             payload = await asyncio.to_thread(wire.parse_payload, envelope) if big else wire.parse_payload(envelope)
         except PydanticValidationError as exc:
             event.fail("invalid_payload", first_error(exc, "payload")[1])
-            return answered(state, run, event)
+            return await answered(state, run, event)
         why = refusal(envelope, payload, run)
         if why is not None:
             event.fail(*why)
-            return answered(state, run, event)
+            return await answered(state, run, event)
         if envelope.type == "trainer.init_run":
             run.init = "pending"
-            state.save_training(run)
-            state.journal.event(run, event, raw)
+            await asyncio.to_thread(state.save_training, run)  # journal writes off the event loop
+            await asyncio.to_thread(state.journal.event, run, event, raw)
             event.taken.set()  # recorded: runs again after a restart
         event.payload = payload
         table.admit(event)
@@ -155,15 +177,16 @@ async def acknowledged(state: PytrioState, run: TrainingRun, event: Event, raw: 
     """The event's status, once a restart cannot lose it (``--durability full``; see the module docstring)."""
     if state.journal.on and not event.taken.is_set():
         if not await event.wait(state.options.pytrio_ack_wait, until=event.taken) and not event.recorded:
-            state.journal.event(run, event, raw)  # still queued: recorded to run again after a restart
+            # still queued: recorded to run again after a restart
+            await asyncio.to_thread(state.journal.event, run, event, raw)
             event.taken.set()
     return msgpack_response(event.current())
 
 
-def answered(state: PytrioState, run: TrainingRun, event: Event) -> Response:
+async def answered(state: PytrioState, run: TrainingRun, event: Event) -> Response:
     """A well-formed event refused at once: it uses up its index, and its failed answer is recorded first."""
     run.events.record(event)
-    state.journal.event(run, event)
+    await asyncio.to_thread(state.journal.event, run, event)
     return msgpack_response(event.answer)
 
 

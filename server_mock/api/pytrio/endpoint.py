@@ -3,9 +3,10 @@
 Control routes authenticate the API key (``Auth.tenant``: the SDK sends it as ``X-API-Key`` and as a bearer
 token) and answer errors as ``{"code", "message", "field"}`` at the top level, where the SDK reads them. Actor
 routes authenticate the run's actor token instead (tokens.py). Status codes are chosen for what the SDK does with
-them: it retries 408, 429 and 5xx for 15 minutes, so a deterministic failure is never answered with one (a 5xx
-becomes 400, a quota's 429 a 409), except ``429 actor_capacity_exceeded`` on run creation, which makes the SDK
-wait for a free adapter slot, and a sample's 429, which is backpressure worth retrying.
+them: it retries 408, 429, 500 and 502-504 for 15 minutes, so a deterministic failure is never answered with one
+(a 5xx becomes 400, a quota's 429 a 409; a full disk stays ``507 storage_full``, which it does not retry), except
+``429 actor_capacity_exceeded`` on run creation, which makes the SDK wait for a free adapter slot, and a sample's
+429, which is backpressure worth retrying.
 """
 
 from __future__ import annotations
@@ -58,13 +59,13 @@ def control_error(exc: WorkerError) -> JSONResponse:
     status = exc.status
     if status == 429 and exc.code not in (CAPACITY, OVER_BUDGET):
         status = 409  # a per-key limit: final, with its flag named
-    elif status >= 500:
-        status = 400  # never a 5xx the SDK would retry for 15 minutes
+    elif status >= 500 and status != 507:
+        status = 400  # never a 5xx the SDK would retry for 15 minutes (507, a full disk, it does not retry)
     return JSONResponse(error_body(exc), status_code=status)
 
 
 def actor_error(exc: WorkerError) -> JSONResponse:
-    status = 400 if exc.status >= 500 else exc.status
+    status = 400 if exc.status >= 500 and exc.status != 507 else exc.status
     headers = {"Retry-After": str(exc.retry_after)} if status == 429 else None
     return JSONResponse(error_body(exc), status_code=status, headers=headers)
 

@@ -31,6 +31,7 @@ from server_mock.api.pytrio.runs import new_events
 from server_mock.api.pytrio.state import PytrioState, SamplingRun, Session, TemporaryWeights, TrainingRun
 from server_mock.api.pytrio.tokens import Grant
 from server_mock.errors import WorkerError
+from server_mock.service.journal import DAMAGED_ROW
 
 logger = logging.getLogger("server_mock")
 
@@ -40,49 +41,96 @@ async def restore(state: PytrioState) -> dict[str, int]:
     now = state.clock()
     counts = {"pytrio_sessions": 0, "pytrio_training_runs": 0, "pytrio_events": 0, "pytrio_events_rerun": 0,
               "pytrio_sampling_runs": 0}
-    for path, _tenant, value in db.records(TEMPORARY):
+    for path, tenant, value in db.records(TEMPORARY):
+        try:
+            weights = TemporaryWeights(**value)
+        except DAMAGED_ROW as exc:  # one damaged record never stops the worker starting
+            _quarantine(db, TEMPORARY, path, tenant, exc)
+            continue
         if path in state.service.checkpoints.snapshots:
-            state.temporary[path] = TemporaryWeights(**value)
+            state.temporary[path] = weights
         else:
             state.journal.temporary_dropped(path)
     for cuid, tenant, value in db.records(SESSIONS):
-        state.sessions[cuid] = Session(cuid, tenant, value["sdk_version"], value["created"], now)
+        try:
+            state.sessions[cuid] = Session(cuid, tenant, value["sdk_version"], value["created"], now)
+        except DAMAGED_ROW as exc:
+            _quarantine(db, SESSIONS, cuid, tenant, exc)
+            continue
         counts["pytrio_sessions"] += 1
     events = _events_by_run(db)
-    for cuid, tenant, value in sorted(db.records(TRAINING), key=lambda r: r[2]["created"]):
-        session = state.sessions.get(value["session"])
-        if session is None:  # closed just before the crash: what it owned is released now
-            await _drop_service_run(state, cuid, tenant)
-            state.journal.training_released(cuid)
+    for cuid, tenant, value in sorted(_readable(db, TRAINING), key=lambda r: r[2]["created"]):
+        try:
+            session = state.sessions.get(value["session"])
+            if session is None:  # closed just before the crash: what it owned is released now
+                await _drop_service_run(state, cuid, tenant)
+                state.journal.training_released(cuid)
+                continue
+            run = TrainingRun(cuid=cuid, tenant=tenant, session_cuid=session.cuid, run_index=value["run_index"],
+                              alias=value["alias"], model_id=value["model_id"], lora=LoraSpec(**value["lora"]),
+                              source_uri=value["source_uri"], restore_optimizer=value["restore_optimizer"],
+                              created=value["created"], last_seen=now, init=value["init"], status=value["status"])
+            if not await _restore_training(state, run, value, events.get(cuid, {}), counts):
+                continue
+        except DAMAGED_ROW as exc:
+            state.training.pop(cuid, None)
+            _quarantine(db, TRAINING, cuid, tenant, exc)
             continue
-        run = TrainingRun(cuid=cuid, tenant=tenant, session_cuid=session.cuid, run_index=value["run_index"],
-                          alias=value["alias"], model_id=value["model_id"], lora=LoraSpec(**value["lora"]),
-                          source_uri=value["source_uri"], restore_optimizer=value["restore_optimizer"],
-                          created=value["created"], last_seen=now, init=value["init"], status=value["status"])
-        if not await _restore_training(state, run, value, events.get(cuid, {}), counts):
+        except Exception as exc:  # noqa: BLE001 - not the record's fault: kept for the next start
+            state.training.pop(cuid, None)
+            logger.error("pytrio training run %s not restored this time (kept in the journal): %s: %s", cuid,
+                         type(exc).__name__, exc)
             continue
         session.training.append(cuid)
         counts["pytrio_training_runs"] += 1
-    for cuid, tenant, value in sorted(db.records(SAMPLING), key=lambda r: r[2]["created"]):
-        session = state.sessions.get(value["session"])
+    for _source, cuid, tenant, reason, _row in db.quarantined(f"records:{TRAINING}"):
+        state.damaged[cuid] = (tenant, reason)
+    for cuid, tenant, value in sorted(_readable(db, SAMPLING), key=lambda r: r[2]["created"]):
         try:
-            state.service.samplers.get(value["sampler_id"], tenant)
-        except WorkerError:
-            session = None  # its sampler did not come back
-        if session is None or not value["token"]:
-            state.journal.sampling_released(cuid)
-            continue
-        run = SamplingRun(cuid=cuid, tenant=tenant, session_cuid=session.cuid, run_index=value["run_index"],
-                          alias=value["alias"], model_id=value["model_id"], source_uri=value["source_uri"],
-                          sampler_id=value["sampler_id"], created=value["created"], last_used=now)
-        digest, expires = value["token"]
-        state.tokens.restore(digest, Grant(tenant, "sampling", cuid, session.cuid, expires))
-        run.token_expires = expires
-        state.sampling.setdefault(tenant, OrderedDict())[cuid] = run
-        session.sampling.append(cuid)
-        counts["pytrio_sampling_runs"] += 1
+            _restore_sampling(state, cuid, tenant, value, now, counts)
+        except DAMAGED_ROW as exc:
+            _quarantine(db, SAMPLING, cuid, tenant, exc)
     _restore_samples(state)
     return counts
+
+
+def _readable(db, namespace: str) -> list[tuple[str, str, dict]]:
+    """The records of ``namespace`` that are JSON objects with a creation time (the rest are quarantined)."""
+    out = []
+    for key, tenant, value in db.records(namespace):
+        if isinstance(value, dict) and isinstance(value.get("created"), (int, float)):
+            out.append((key, tenant, value))
+        else:
+            _quarantine(db, namespace, key, tenant, ValueError("not an object with a numeric 'created'"))
+    return out
+
+
+def _quarantine(db, namespace: str, key: str, tenant: str, exc: BaseException) -> None:
+    reason = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+    logger.error("state.db: PyTRIO record %s %r (tenant %s) cannot be restored: %s; moved to the quarantine table, "
+                 "the rest is restored", namespace, key, tenant, reason)
+    db.quarantine("records", (namespace, key), reason)
+
+
+def _restore_sampling(state: PytrioState, cuid: str, tenant: str, value: dict, now: float,
+                      counts: dict[str, int]) -> None:
+    session = state.sessions.get(value["session"])
+    try:
+        state.service.samplers.get(value["sampler_id"], tenant)
+    except WorkerError:
+        session = None  # its sampler did not come back
+    if session is None or not value["token"]:
+        state.journal.sampling_released(cuid)
+        return
+    run = SamplingRun(cuid=cuid, tenant=tenant, session_cuid=session.cuid, run_index=value["run_index"],
+                      alias=value["alias"], model_id=value["model_id"], source_uri=value["source_uri"],
+                      sampler_id=value["sampler_id"], created=value["created"], last_used=now)
+    digest, expires = value["token"]
+    state.tokens.restore(digest, Grant(tenant, "sampling", cuid, session.cuid, expires))
+    run.token_expires = expires
+    state.sampling.setdefault(tenant, OrderedDict())[cuid] = run
+    session.sampling.append(cuid)
+    counts["pytrio_sampling_runs"] += 1
 
 
 async def _drop_service_run(state: PytrioState, cuid: str, tenant: str) -> None:
@@ -94,8 +142,12 @@ async def _drop_service_run(state: PytrioState, cuid: str, tenant: str) -> None:
 
 def _events_by_run(db) -> dict[str, dict[str, dict]]:
     out: dict[str, dict[str, dict]] = {}
-    for key, _tenant, value in db.records(EVENTS):
+    for key, tenant, value in db.records(EVENTS):
         run_cuid, _, event_id = key.partition(":")
+        if not (isinstance(value, dict) and isinstance(value.get("index"), int) and isinstance(value.get("type"), str)
+                and isinstance(value.get("digest"), str) and "answer" in value and "body" in value):
+            _quarantine(db, EVENTS, key, tenant, ValueError("not an event record (index, type, digest, answer, body)"))
+            continue
         out.setdefault(run_cuid, {})[event_id] = value
     return out
 

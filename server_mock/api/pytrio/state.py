@@ -114,6 +114,7 @@ class PytrioState:
         self.training: dict[str, TrainingRun] = {}
         self.sampling: dict[str, OrderedDict[str, SamplingRun]] = {}  # tenant -> its runs, least recently used first
         self.temporary: dict[str, TemporaryWeights] = {}  # trio:// path -> expiry
+        self.damaged: dict[str, tuple[str, str]] = {}  # training runs whose record was set aside at start
         self.journal = PytrioJournal(service.journal)
         self.answers = KeptAnswers(service.limits.max_result_bytes)  # kept event and sample answers, per key
         self._tasks: set[asyncio.Task] = set()
@@ -200,6 +201,12 @@ class PytrioState:
 
     def training_run(self, cuid: str, tenant: str) -> TrainingRun:
         run = self.training.get(cuid)
+        if run is None and self.damaged.get(cuid, ("",))[0] == tenant:
+            raise WorkerError(410, "training_run_damaged", f"training_run: {cuid!r} could not be restored after the "
+                                                           f"worker restarted: its record is damaged "
+                                                           f"({self.damaged[cuid][1]}); it was moved to the "
+                                                           "quarantine table of durable/state.db. Start a new "
+                                                           "training run from its last checkpoint", "training_run_cuid")
         if run is None or run.tenant != tenant:
             raise WorkerError(404, "training_run_not_found", f"training_run: unknown training run {cuid!r} (it was "
                                                              "released, or the worker restarted)",

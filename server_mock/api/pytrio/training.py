@@ -38,7 +38,7 @@ async def execute(state: PytrioState, run: TrainingRun, event: Event) -> None:
     one (refused, or a failed init) is recorded with its answer (``--durability full``)."""
     await _start(state, run, event)
     if event.finished and event.type != "trainer.end_run":
-        state.journal.event(run, event)
+        await asyncio.to_thread(state.journal.event, run, event)  # off the event loop
 
 
 async def _start(state: PytrioState, run: TrainingRun, event: Event) -> None:
@@ -134,7 +134,7 @@ async def _init(state: PytrioState, run: TrainingRun, event: Event) -> None:
         made = await service.runs.create(body, tenant, new_id=run.cuid)
     except WorkerError as exc:
         run.init = "none"  # the SDK raises in the call that triggered init, and sends a new init_run next time
-        state.save_training(run)
+        await asyncio.to_thread(state.save_training, run)
         event.fail(exc.code, exc.message)
         return
     if state.training.get(run.cuid) is not run:  # released while its adapter was made
@@ -143,7 +143,7 @@ async def _init(state: PytrioState, run: TrainingRun, event: Event) -> None:
         return
     run.init, run.status = "ready", "ACTIVE"
     run.lora = made.spec
-    state.save_training(run)
+    await asyncio.to_thread(state.save_training, run)
     event.finish(wire.succeeded(event.event_id, event.type, wire.EmptyResultOut(), wire.UsageOut()))
 
 

@@ -46,11 +46,12 @@ def tenant_of(auth: Auth, request: Request) -> str:
 
 
 def error_response(exc: WorkerError) -> JSONResponse:
-    # The tinker client re-sends on 408/409/429/5xx for minutes: answer final errors with a final status.
+    # The tinker client re-sends on 408/409/429/5xx for minutes: answer final errors with a final status. A full
+    # disk stays 507 (storage_full): re-sending it for a while is what its message asks (free space and retry).
     status = exc.status
     if status == 409:
         status = 400
-    elif status >= 500:
+    elif status >= 500 and status != 507:
         status = 422
     headers = {"Retry-After": str(exc.retry_after)} if status == 429 else None
     return JSONResponse({"detail": tinker_message(exc.message, exc.field), "code": exc.code, "field": exc.field},
