@@ -25,7 +25,7 @@ from server_mock.api.native.endpoint import Idempotency
 from server_mock.api.openai.router import openai_routes
 from server_mock.api.pytrio import PytrioProtocol
 from server_mock.api.tinker.router import tinker_routes
-from server_mock.config import PytrioOptions
+from server_mock.config import PytrioOptions, TinkerOptions
 from server_mock.operator import CountAnswers, operator_routes
 from server_mock.service.recovery import recover
 from server_mock.service.worker import WorkerService
@@ -33,13 +33,15 @@ from server_mock.service.worker import WorkerService
 
 def create_app(service: WorkerService, api_keys: list[str] | None = None, *, bind_host: str = "127.0.0.1",
                allowed_hosts: Iterable[str] = (), extra_routes: Iterable[BaseRoute] = (),
-               pytrio_options: PytrioOptions | None = None, admin_keys: Iterable[str] = ()) -> Starlette:
+               pytrio_options: PytrioOptions | None = None, admin_keys: Iterable[str] = (),
+               tinker_options: TinkerOptions | None = None) -> Starlette:
     auth = Auth(api_keys or [], admin_keys)
     downloads = Downloads(default_ttl=service.limits.download_url_seconds)
     downloads.register(ARCHIVE, archive_resolver(service.checkpoints))
     pytrio = PytrioProtocol(service, auth, pytrio_options, downloads)
-    routes = [*native_routes(), *extra_routes, *downloads.routes(), *tinker_routes(service, auth, downloads),
-              *openai_routes(service, auth), *pytrio.routes(), *operator_routes(service, auth)]
+    routes = [*native_routes(), *extra_routes, *downloads.routes(),
+              *tinker_routes(service, auth, downloads, tinker_options), *openai_routes(service, auth),
+              *pytrio.routes(), *operator_routes(service, auth)]
     service.usage.traces.sessions.append(pytrio.session_scopes)  # a PyTRIO session's runs' and samplers' ops
 
     @contextlib.asynccontextmanager

@@ -28,6 +28,7 @@ from server_mock.api.tinker.export import Export
 from server_mock.api.tinker.futures import retrieve_future
 from server_mock.api.tinker.paths import tinker_message, tinker_metrics, to_tinker_path, to_trio_path
 from server_mock.api.tinker.state import TinkerState
+from server_mock.config import TinkerOptions
 from server_mock.errors import WorkerError
 
 __all__ = ["tinker_routes", "tinker_message", "tinker_metrics", "to_tinker_path", "to_trio_path"]
@@ -46,8 +47,9 @@ def _session_scopes(state: TinkerState, session_id: str) -> list[str] | None:
     return [*(state.models[m].run_id for m in session.model_ids if m in state.models), *session.sampler_ids]
 
 
-def tinker_routes(service, auth, downloads: Downloads | None = None) -> list[Route]:
-    state = TinkerState(service)
+def tinker_routes(service, auth, downloads: Downloads | None = None,
+                  options: TinkerOptions | None = None) -> list[Route]:
+    state = TinkerState(service, options)
     if service.journal is not None:  # --durability full: sessions, models, gates and futures come back at start
         service.recovery_hooks.append(functools.partial(restart.restore, state))
     service.usage.traces.sessions.append(functools.partial(_session_scopes, state))  # the operator's traces

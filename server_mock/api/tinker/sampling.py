@@ -3,7 +3,7 @@ protobuf ``SampleResponse``, encoded in a thread).
 
 An ``asample`` that names no sampling session (the older addressing, by ``base_model`` or
 ``model_path``) reuses one sampler per (API key, base model, weights path), the most recent
-``IMPLICIT_SAMPLERS_PER_TENANT`` of them per key, instead of making a sampler per request.
+``--tinker-implicit-samplers`` of them per key, instead of making a sampler per request.
 """
 
 from __future__ import annotations

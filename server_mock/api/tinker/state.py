@@ -21,21 +21,15 @@ from server_mock.api.tinker.futures import Futures
 from server_mock.api.tinker.gate import SeqGate
 from server_mock.api.tinker.holding import HeldBytes
 from server_mock.api.tinker.proto.decode import ElementBudget
+from server_mock.config import TinkerOptions
 from server_mock.errors import WorkerError
 from server_mock.service.quotas import TenantLRU
 from server_mock.service.worker import WorkerService
 
 logger = logging.getLogger("server_mock")
 
-SESSION_TIMEOUT_SECONDS = 1800.0  # a session without heartbeats this long is finished (its models deleted)
-MAX_SESSIONS_PER_TENANT = 256
-MAX_CREATIONS_PER_SESSION = 1024  # training models and sampling sessions, each
-MAX_SEQ_AHEAD = 1024  # how far past the next expected seq_id of a model a request may be
-WAITING_BYTES_PER_SESSION_BODIES = 4  # out-of-order requests of a session hold at most 4 x max_body_bytes
-WAITING_BYTES_PER_WORKER_BODIES = 16  # and of the whole worker at most 16 x max_body_bytes
+# the other bounds are flags (config.TinkerOptions: sessions, idle timeout, seq_id look-ahead, waiting bytes)
 ELEMENTS_PER_TOKEN = 8  # a forward_backward request's tensors may declare 8 x max_tokens_per_request elements
-IMPLICIT_SAMPLERS_PER_TENANT = 16  # samplers kept for asample calls that name no sampling session
-MAX_SAMPLE_IDS = 20_000  # (sampler, seq_id) pairs remembered per API key to answer re-sent asample requests
 
 
 @dataclass
@@ -66,8 +60,9 @@ class TinkerModel:
 
 
 class TinkerState:
-    def __init__(self, service: WorkerService) -> None:
+    def __init__(self, service: WorkerService, options: TinkerOptions | None = None) -> None:
         self.service = service
+        self.options = options = options or TinkerOptions()
         limits = service.limits
         self.json_limit = json_limit(limits)  # every JSON body
         self.tensor_limit = tensor_limit(limits)  # forward_backward's protobuf body
@@ -75,14 +70,14 @@ class TinkerState:
         self.futures = Futures(ttl=service.requests.result_ttl, max_bytes=limits.max_result_bytes,
                                durable=journal is not None)
         self.journal = TinkerJournal(journal)
-        self.held = HeldBytes(WAITING_BYTES_PER_SESSION_BODIES * limits.max_body_bytes,
-                              WAITING_BYTES_PER_WORKER_BODIES * limits.max_body_bytes)
+        self.held = HeldBytes(options.tinker_waiting_bodies_per_session * limits.max_body_bytes,
+                              options.tinker_waiting_bodies * limits.max_body_bytes)
         self.sessions: dict[str, Session] = {}
         self.models: dict[str, TinkerModel] = {}
         self.creations: dict[tuple[str, int], tuple[str, str]] = {}  # (session, model_seq_id) -> (request, model)
         self.sampling_sessions: dict[tuple[str, int], str] = {}  # (session, sampling_session_seq_id) -> sampler
         # "sampler:seq_id" -> (request id, sequence ids, body digest), to answer re-sent asample requests; per tenant
-        self.samples: TenantLRU[tuple[str, list[str], str]] = TenantLRU(MAX_SAMPLE_IDS)
+        self.samples: TenantLRU[tuple[str, list[str], str]] = TenantLRU(options.tinker_sample_ids)
         self.implicit_samplers: dict[str, OrderedDict[tuple[str | None, str | None], str]] = {}
         self.sampler_sessions: dict[str, str] = {}  # sampler id -> the session it was made in (provenance scope)
 
@@ -95,10 +90,12 @@ class TinkerState:
 
     def new_session(self, session_id: str, tenant: str) -> Session:
         owned = sum(1 for s in self.sessions.values() if s.tenant == tenant)
-        if owned >= MAX_SESSIONS_PER_TENANT:
+        cap = self.options.tinker_max_sessions
+        if owned >= cap:
             raise WorkerError(429, "too_many_sessions",
-                              f"this API key has {owned} open sessions (limit max_sessions={MAX_SESSIONS_PER_TENANT}"
-                              "); close some (ServiceClient.close) or wait for idle ones to expire")
+                              f"this API key has {owned} open sessions (limit max_sessions={cap}, "
+                              "--tinker-max-sessions); close some (ServiceClient.close) or wait for idle ones to "
+                              "expire")
         session = Session(session_id, tenant)
         self.sessions[session_id] = session
         return session
@@ -116,10 +113,11 @@ class TinkerState:
         return session
 
     def count_creation(self, session: Session, what: str) -> None:
-        if session.creations >= MAX_CREATIONS_PER_SESSION:
+        if session.creations >= self.options.tinker_max_creations:
             raise WorkerError(429, "too_many_creations",
                               f"{what}: this session already created {session.creations} models and sampling "
-                              f"sessions (limit {MAX_CREATIONS_PER_SESSION}); start a new session", what)
+                              f"sessions (limit {self.options.tinker_max_creations}, --tinker-max-creations); start "
+                              "a new session", what)
         session.creations += 1
 
     def model(self, model_id: str, tenant: str) -> TinkerModel:
@@ -138,7 +136,7 @@ class TinkerState:
         if self.sessions.get(session.session_id) is not session:  # it finished while the model was made
             await self._delete_run(run_id, session.tenant)
             raise WorkerError(404, "session_not_found", f"session_id: session {session.session_id!r} has finished")
-        gate = SeqGate(max_ahead=MAX_SEQ_AHEAD, held=self.held, owner=session.session_id)
+        gate = SeqGate(max_ahead=self.options.tinker_max_seq_ahead, held=self.held, owner=session.session_id)
         model = TinkerModel(model_id, run_id, session.tenant, session.session_id, base_model, gate, user_metadata)
         if created_by is not None:
             self.journal.model_registered(model, *created_by)
@@ -165,10 +163,10 @@ class TinkerState:
 
     async def expire(self) -> None:
         """Finish the sessions whose client stopped sending heartbeats (every 10 s while it runs)."""
-        cutoff = time.time() - SESSION_TIMEOUT_SECONDS
+        ttl = self.options.tinker_session_ttl
+        cutoff = time.time() - ttl
         for session in [s for s in self.sessions.values() if s.last_seen < cutoff]:
-            logger.info("tinker: session %s sent no heartbeat for %.0fs; finishing it", session.session_id,
-                        SESSION_TIMEOUT_SECONDS)
+            logger.info("tinker: session %s sent no heartbeat for %.0fs; finishing it", session.session_id, ttl)
             await self.finish(session)
 
     async def _delete_run(self, run_id: str, tenant: str) -> None:
@@ -207,5 +205,5 @@ class TinkerState:
                               sampler_id: str) -> None:
         cache = self.implicit_samplers.setdefault(tenant, OrderedDict())
         cache[(base_model, model_path)] = sampler_id
-        while len(cache) > IMPLICIT_SAMPLERS_PER_TENANT:
+        while len(cache) > self.options.tinker_implicit_samplers:
             cache.popitem(last=False)
