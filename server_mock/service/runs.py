@@ -33,20 +33,35 @@ from server_mock.storage.checkpoints import check_name
 logger = logging.getLogger("server_mock")
 RUN_ID_RE = re.compile(r"^run-[0-9a-f]{16,32}\Z")
 
-# Front ends' conversions of an op's result to their wire form, by name: an op queued again after a restart is
-# encoded as its front end asked when it was accepted (register one with ``wire_encoder``).
-ENCODERS: dict[str, Callable[[dict], dict]] = {}
+# How each front end answers its ops, by protocol tag. An op is journaled with its front end's ``front``: data
+# only (its "protocol" tag, the kind of answer and its fields), never the name of a Python function; the
+# model-thread encoder of its result is what ``encoder_for(front)`` of that protocol gives (None: the result is
+# left as it is), now and when the op is queued again after a restart (``register_front``).
+Encoder = Callable[[dict], dict]
+FRONTS: dict[str, Callable[[dict], Encoder | None]] = {}
+
+# Journals written before ``front`` described every encoded op named its encoder by its Python qualified name:
+# read as the answer that name stood for (a record in that form is still taken up).
+LEGACY_ENCODERS = {"server_mock.api.native.runs.encode_forward_result": {"protocol": "native", "answer": "forward"},
+                   "server_mock.api.tinker.answers.encode_forward": {"protocol": "tinker", "answer": "forward"}}
 
 
-def wire_encoder(fn: Callable[[dict], dict]) -> Callable[[dict], dict]:
-    ENCODERS[f"{fn.__module__}.{fn.__qualname__}"] = fn
-    return fn
+def register_front(protocol: str, encoder_for: Callable[[dict], Encoder | None]) -> None:
+    """Once per protocol: what encodes the result of an op that protocol journaled with ``front``."""
+    FRONTS[protocol] = encoder_for
 
 
-def _encoder_name(fn: Callable | None) -> str | None:
-    """The registered name of ``fn`` (None: not registered; a result queued again is then left as it is)."""
-    name = f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', '')}"
-    return name if fn is not None and ENCODERS.get(name) is fn else None
+def encoder_for(front: dict | None) -> Encoder | None:
+    """The model-thread encoder an op's ``front`` describes (None: no front, or its protocol encodes nothing)."""
+    encoder_of = FRONTS.get(front.get("protocol", "")) if front else None
+    return encoder_of(front) if encoder_of is not None else None
+
+
+def front_of(front: dict | None, record: dict) -> dict | None:
+    """An op's ``front``, or (a journal of the earlier form) the one its record's encoder name stood for."""
+    if front is None and record.get("encode"):
+        return LEGACY_ENCODERS.get(record["encode"])
+    return front
 
 
 @dataclass
@@ -241,7 +256,7 @@ class Runs:
                     queue.put(Job(f"replay-{op.request_id}", op.kind, prepared.work, owner=run.tenant))
                 continue
             job = self.requests.new_job(prepared.kind, prepared.work, run.tenant, request_id=op.request_id)
-            job.encode = ENCODERS.get(record.get("encode") or "")
+            job.encode = encoder_for(front_of(op.front, record))
             job.on_result = self._recorder(run, op.seq, prepared.kind)
             queue.put(job)
         return run
@@ -326,15 +341,17 @@ class Runs:
                           lambda: self.checkpoints.save_export(run, host, name, ttl_seconds, layout, recipients))
 
     def submit(self, training_run_id: str, work: PreparedOp | BaseException | Op, tenant: str, *,
-               seq_id: int | None, body_hash: str = "", encode: Callable[[dict], dict] | None = None,
+               seq_id: int | None, body_hash: str = "", encode: Encoder | None = None,
                request_id: str | None = None, front: dict | None = None) -> Admission:
         """Accept one op of a run: ``seq_id`` must be the next one (a resent seq_id with the same body hash
         answers the original request; None: the next in order, for front ends that order ops themselves).
 
         ``work`` is the op, its ``PreparedOp``, or the error preparing it gave: the seq_id and queue checks come
-        first, and preparing (or its error) only counts for an op they let in. ``encode`` converts the result to
-        the caller's wire form on the model thread. ``request_id``: the id a front end chose for the request (Tinker:
-        its future's id); ``front``: its own fields, journaled with the op (``OpRow.front`` after a restart)."""
+        first, and preparing (or its error) only counts for an op they let in. ``front``: the front end's own fields
+        (data: its protocol tag, its answer), journaled with the op (``OpRow.front`` after a restart); the result is
+        converted to the caller's wire form on the model thread by ``encode``, by default what the protocol's
+        ``encoder_for(front)`` gives, as it will be after a restart. ``request_id``: the id a front end chose for
+        the request (Tinker: its future's id)."""
         run = self.get(training_run_id, tenant)
         if seq_id is None:
             seq_id = run.last_seq + 1
@@ -353,11 +370,12 @@ class Runs:
         prepared = work if isinstance(work, PreparedOp) else self.prepare(run, work)
         self.budgets.take(tenant, prepared.tokens)  # 429 + Retry-After past the key's tokens a minute
         job = self.requests.new_job(prepared.kind, prepared.work, tenant, request_id=request_id)
-        job.encode, job.tokens, job.scope = encode, prepared.tokens, run.run_id
+        job.encode = encode if encode is not None else encoder_for(front)
+        job.tokens, job.scope = prepared.tokens, run.run_id
         if self.journal is not None:
-            record = None if prepared.record is None else {**prepared.record, "encode": _encoder_name(encode)}
             try:
-                self.journal.op_accepted(run.run_id, seq_id, job.request_id, prepared.kind, body_hash, record, front)
+                self.journal.op_accepted(run.run_id, seq_id, job.request_id, prepared.kind, body_hash,
+                                         prepared.record, front)
             except Exception as exc:  # noqa: BLE001 - a full disk: the op is refused, nothing changed
                 self.requests.discard(job.request_id)
                 self.budgets.give_back(tenant, prepared.tokens)
@@ -383,11 +401,11 @@ class Runs:
 
     async def submit_off_loop(self, training_run_id: str, tenant: str, seq_id: int,
                               prepare: Callable[[TrainingRun], tuple[str, PreparedOp | BaseException | Op]],
-                              encode: Callable[[dict], dict] | None = None) -> Admission:
+                              front: dict | None = None) -> Admission:
         """``submit`` for an op from the network whose decoding and checks are heavy: ``prepare(run)`` runs in a
         worker thread and gives (body hash, work). A run's ops are admitted one at a time in arrival order, so
         each sees the seq_ids of the ones before it exactly as if it had been admitted at once."""
         run = self.get(training_run_id, tenant)
         async with run.admitting:
             body_hash, work = await asyncio.to_thread(prepare, run)
-            return self.submit(training_run_id, work, tenant, seq_id=seq_id, body_hash=body_hash, encode=encode)
+            return self.submit(training_run_id, work, tenant, seq_id=seq_id, body_hash=body_hash, front=front)

@@ -26,7 +26,7 @@ from pytrio_compat.wire import (
 from server_mock.api.native.endpoint import endpoint, service_of
 from server_mock.errors import bad_request
 from server_mock.service.ops import ForwardBatch
-from server_mock.service.runs import TrainingRun, wire_encoder
+from server_mock.service.runs import TrainingRun, register_front
 from server_mock.service.worker import WorkerService
 from server_mock.training import losses
 
@@ -84,12 +84,22 @@ def forward_batch(op: ForwardOp) -> ForwardBatch:
                         backward=op.op == "forward_backward", loss_fn_config=op.loss_fn_config, images=images)
 
 
-@wire_encoder
 def encode_forward_result(result: dict) -> dict:
     """A forward result's arrays as wire tensors (on the model's thread, once)."""
     return {"loss_fn_outputs": [{k: WireTensor.from_array(v).model_dump() for k, v in o.items()}
                                 for o in result["loss_fn_outputs"]],
             "metrics": result["metrics"]}
+
+
+FORWARD = {"protocol": "native", "answer": "forward"}  # journaled with a forward op: its result is encoded
+ENCODE = {"forward": encode_forward_result}  # by answer kind, bound once: a renamed function changes nothing
+
+
+def encoder_for(front: dict):
+    return ENCODE.get(front.get("answer", ""))
+
+
+register_front("native", encoder_for)
 
 
 async def create_run(request: Request, tenant: str, body: CreateTrainingRun):
@@ -149,7 +159,7 @@ async def submit_op(request: Request, tenant: str, body: TrainingOp):
             return digest, exc
 
     admission = await service.runs.submit_off_loop(request.path_params["run_id"], tenant, body.seq_id, prepare,
-                                                   encode=encode_forward_result if forward else None)
+                                                   front=FORWARD if forward else None)
     return Accepted(request_id=admission.request_id, duplicate=admission.duplicate)
 
 

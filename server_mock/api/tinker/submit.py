@@ -15,7 +15,7 @@ from starlette.requests import Request
 
 from server_mock.api import bodies
 from server_mock.api.tinker import schemas
-from server_mock.api.tinker.answers import ENCODERS, Answer, converter
+from server_mock.api.tinker.answers import Answer, converter
 from server_mock.api.tinker.endpoint import digest, read_body
 from server_mock.api.tinker.futures import raise_
 from server_mock.api.tinker.holding import Slim
@@ -39,7 +39,6 @@ def submit_op(state: TinkerState, model: TinkerModel, tenant: str, payload, body
     try:
         work = payload() if callable(payload) else payload
         admission = state.service.runs.submit(model.run_id, work, tenant, seq_id=None, body_hash=body_digest,
-                                              encode=ENCODERS.get(answer.kind) if answer else None,
                                               request_id=request_id if answer else None, front=front)
     except WorkerError as exc:
         if exc.status == 429:
