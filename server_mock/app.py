@@ -24,7 +24,7 @@ from server_mock.api.native import native_routes
 from server_mock.api.native.endpoint import Idempotency
 from server_mock.api.openai.router import openai_routes
 from server_mock.api.pytrio import PytrioProtocol
-from server_mock.api.tinker.router import tinker_routes
+from server_mock.api.tinker.router import TinkerProtocol
 from server_mock.config import PytrioOptions, TinkerOptions
 from server_mock.operator import CountAnswers, operator_routes
 from server_mock.service.recovery import recover
@@ -39,15 +39,16 @@ def create_app(service: WorkerService, api_keys: list[str] | None = None, *, bin
     downloads = Downloads(default_ttl=service.limits.download_url_seconds)
     downloads.register(ARCHIVE, archive_resolver(service.checkpoints))
     pytrio = PytrioProtocol(service, auth, pytrio_options, downloads)
-    routes = [*native_routes(), *extra_routes, *downloads.routes(),
-              *tinker_routes(service, auth, downloads, tinker_options), *openai_routes(service, auth),
+    tinker = TinkerProtocol(service, auth, downloads, tinker_options)
+    routes = [*native_routes(), *extra_routes, *downloads.routes(), *tinker.routes(), *openai_routes(service, auth),
               *pytrio.routes(), *operator_routes(service, auth)]
     service.usage.traces.sessions.append(pytrio.session_scopes)  # a PyTRIO session's runs' and samplers' ops
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         app.state.recovered = await recover(service)  # before the first request: what a crash left is taken up
-        tasks = [asyncio.create_task(_sweep(service)), asyncio.create_task(pytrio.sweep_forever())]
+        tasks = [asyncio.create_task(_sweep(service)), asyncio.create_task(pytrio.sweep_forever()),
+                 asyncio.create_task(tinker.sweep_forever())]
         try:
             yield
         finally:
@@ -64,6 +65,7 @@ def create_app(service: WorkerService, api_keys: list[str] | None = None, *, bin
     app.state.idempotency = Idempotency()
     app.state.parse_budget = ParseBudget(service.limits.max_parsing_bytes)
     app.state.pytrio = pytrio
+    app.state.tinker = tinker
     return app
 
 

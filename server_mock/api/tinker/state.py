@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from server_mock.api.bodies import json_limit, tensor_limit
@@ -60,9 +61,11 @@ class TinkerModel:
 
 
 class TinkerState:
-    def __init__(self, service: WorkerService, options: TinkerOptions | None = None) -> None:
+    def __init__(self, service: WorkerService, options: TinkerOptions | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
         self.service = service
         self.options = options = options or TinkerOptions()
+        self.clock = clock  # when a session was last seen, and when it expires
         limits = service.limits
         self.json_limit = json_limit(limits)  # every JSON body
         self.tensor_limit = tensor_limit(limits)  # forward_backward's protobuf body
@@ -96,7 +99,8 @@ class TinkerState:
                               f"this API key has {owned} open sessions (limit max_sessions={cap}, "
                               "--tinker-max-sessions); close some (ServiceClient.close) or wait for idle ones to "
                               "expire")
-        session = Session(session_id, tenant)
+        now = self.clock()
+        session = Session(session_id, tenant, created=now, last_seen=now)
         self.sessions[session_id] = session
         return session
 
@@ -109,7 +113,7 @@ class TinkerState:
         if session is None or session.tenant != tenant:
             raise WorkerError(404, "session_not_found", f"session_id: unknown session {session_id!r} "
                                                         "(the worker may have restarted)", "session_id")
-        session.last_seen = time.time()
+        session.last_seen = self.clock()
         return session
 
     def count_creation(self, session: Session, what: str) -> None:
@@ -162,9 +166,10 @@ class TinkerState:
         self.service.stability.drop_scope(session.tenant, session.session_id)
 
     async def expire(self) -> None:
-        """Finish the sessions whose client stopped sending heartbeats (every 10 s while it runs)."""
+        """Finish the sessions whose client stopped sending heartbeats (every 10 s while it runs) for longer than
+        --tinker-session-ttl: their training models are deleted, which frees their --max-adapters slots."""
         ttl = self.options.tinker_session_ttl
-        cutoff = time.time() - ttl
+        cutoff = self.clock() - ttl
         for session in [s for s in self.sessions.values() if s.last_seen < cutoff]:
             logger.info("tinker: session %s sent no heartbeat for %.0fs; finishing it", session.session_id, ttl)
             await self.finish(session)
