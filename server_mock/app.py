@@ -20,6 +20,7 @@ from server_mock.api.auth import Auth
 from server_mock.api.bodies import ParseBudget
 from server_mock.api.browser_safety import BrowserGuard, HostPolicy
 from server_mock.api.downloads import ARCHIVE, Downloads, archive_resolver
+from server_mock.api.lifecycle import FrontEnd, sweep_forever
 from server_mock.api.native import native_routes
 from server_mock.api.native.endpoint import Idempotency
 from server_mock.api.openai.router import openai_routes
@@ -40,6 +41,9 @@ def create_app(service: WorkerService, api_keys: list[str] | None = None, *, bin
     downloads.register(ARCHIVE, archive_resolver(service.checkpoints))
     pytrio = PytrioProtocol(service, auth, pytrio_options, downloads)
     tinker = TinkerProtocol(service, auth, downloads, tinker_options)
+    fronts: list[FrontEnd] = [tinker, pytrio]  # front ends with state of their own: one lifecycle for all
+    if service.journal is not None:  # --durability full: each takes up its records after the service's recovery
+        service.recovery_hooks.extend(front.restore for front in fronts)
     routes = [*native_routes(), *extra_routes, *downloads.routes(), *tinker.routes(), *openai_routes(service, auth),
               *pytrio.routes(), *operator_routes(service, auth)]
     service.usage.traces.sessions.append(pytrio.session_scopes)  # a PyTRIO session's runs' and samplers' ops
@@ -47,8 +51,8 @@ def create_app(service: WorkerService, api_keys: list[str] | None = None, *, bin
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         app.state.recovered = await recover(service)  # before the first request: what a crash left is taken up
-        tasks = [asyncio.create_task(_sweep(service)), asyncio.create_task(pytrio.sweep_forever()),
-                 asyncio.create_task(tinker.sweep_forever())]
+        tasks = [asyncio.create_task(_sweep(service)),
+                 *(asyncio.create_task(sweep_forever(front)) for front in fronts)]
         try:
             yield
         finally:
@@ -64,6 +68,7 @@ def create_app(service: WorkerService, api_keys: list[str] | None = None, *, bin
     app.state.downloads = downloads
     app.state.idempotency = Idempotency()
     app.state.parse_budget = ParseBudget(service.limits.max_parsing_bytes)
+    app.state.fronts = {front.name: front for front in fronts}
     app.state.pytrio = pytrio
     app.state.tinker = tinker
     return app

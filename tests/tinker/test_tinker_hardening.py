@@ -307,7 +307,7 @@ def test_open_sessions_are_bounded_per_api_key(raw_a, raw_b):
             break
         opened.append(r.json()["session_id"])
         assert len(opened) <= max_sessions
-    assert r.status_code == 429 and f"max_sessions={max_sessions}" in r.json()["detail"], r.text
+    assert r.status_code == 429 and f"--tinker-max-sessions={max_sessions}" in r.json()["detail"], r.text
     assert raw_a.session().startswith("sess-")  # another API key is not affected
     assert raw_b.post(f"/sessions/{opened[0]}/finish", json={}).status_code == 200
     assert raw_b.session().startswith("sess-")  # a finished session frees its place

@@ -13,7 +13,6 @@ from starlette.testclient import TestClient
 
 from pytrio_compat.wire import CreateTrainingRun, LoraSpec
 from server_mock.api.auth import Auth
-from server_mock.api.tinker import router
 from server_mock.api.tinker.router import TinkerProtocol
 from server_mock.app import create_app
 from server_mock.config import Limits, StorageOptions, TinkerOptions
@@ -60,7 +59,7 @@ def test_an_idle_session_expires_at_its_ttl_and_frees_its_adapter_slot(tiny_mode
         assert list(state.sessions) == ["sess-abandoned"] and service.runs.owned("A")
         clock.now += 0.001  # one past it: finished by the sweep, nobody else called anything
         await tinker.sweep()
-        assert state.sessions == {} and state.models == {} and service.runs.owned("A") == []
+        assert len(state.sessions) == 0 and state.models == {} and service.runs.owned("A") == []
         other = await service.runs.create(spec(), "B")  # the slot is free
         assert service.runs.owned("B") == [other]
 
@@ -72,9 +71,9 @@ def test_an_idle_session_expires_at_its_ttl_and_frees_its_adapter_slot(tiny_mode
 
 @pytest.mark.timeout(120)
 def test_a_seen_session_is_kept_and_the_app_sweeps_by_itself(tiny_model_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr(router, "SWEEP_SECONDS", 0.01)
     service = one_adapter_service(tiny_model_dir, tmp_path / "storage")
     app = create_app(service, tinker_options=TinkerOptions(tinker_session_ttl=TTL))
+    monkeypatch.setattr(app.state.fronts["tinker"], "sweep_seconds", 0.01)
     clock = FakeClock()
     state = app.state.tinker.state
     state.clock = clock

@@ -16,9 +16,7 @@ plumbing, paths the tinker:// names. The bounds are listed in docs/reliability.m
 
 from __future__ import annotations
 
-import asyncio
 import functools
-import logging
 import time
 from collections.abc import Callable
 
@@ -37,9 +35,6 @@ from server_mock.errors import WorkerError
 
 __all__ = ["TinkerProtocol", "tinker_message", "tinker_metrics", "to_tinker_path", "to_trio_path"]
 
-logger = logging.getLogger("server_mock")
-SWEEP_SECONDS = 5.0  # how often sessions without heartbeats are looked for (they expire after --tinker-session-ttl)
-
 
 async def unsupported(state: TinkerState, request: Request, tenant: str):
     raise WorkerError(404, "not_supported", f"{request.method} {request.url.path} is not supported by this "
@@ -55,13 +50,15 @@ def _session_scopes(state: TinkerState, session_id: str) -> list[str] | None:
 
 
 class TinkerProtocol:
-    """The protocol's state, its routes, and the sweep that finishes the sessions whose client went away."""
+    """The protocol as a front end (api/lifecycle.py): its state, its routes, its records taken up again at start,
+    and the sweep that finishes the sessions whose client went away."""
+
+    name = "tinker"
+    sweep_seconds = 5.0  # how often sessions without heartbeats are looked for (they expire after their TTL)
 
     def __init__(self, service, auth, downloads: Downloads | None = None, options: TinkerOptions | None = None,
                  clock: Callable[[], float] = time.time) -> None:
         self.state = TinkerState(service, options, clock)
-        if service.journal is not None:  # --durability full: sessions, models, gates and futures come back at start
-            service.recovery_hooks.append(functools.partial(restart.restore, self.state))
         service.usage.traces.sessions.append(functools.partial(_session_scopes, self.state))  # operator's traces
         self.auth = auth
         self.downloads = downloads or Downloads(service.limits.download_url_seconds)
@@ -69,17 +66,13 @@ class TinkerProtocol:
     def routes(self) -> list[Route]:
         return _routes(self.state, self.auth, self.downloads)
 
+    async def restore(self) -> dict[str, int]:
+        """Sessions, models, gates and futures, from the journal (``--durability full``)."""
+        return await restart.restore(self.state)
+
     async def sweep(self) -> None:
         """Finish the sessions idle past --tinker-session-ttl, by the clock: no client request is needed."""
         await self.state.expire()
-
-    async def sweep_forever(self) -> None:
-        while True:
-            await asyncio.sleep(SWEEP_SECONDS)
-            try:
-                await self.sweep()
-            except Exception:  # noqa: BLE001 - the next sweep tries again
-                logger.exception("tinker: sweep failed")
 
 
 def _routes(state: TinkerState, auth, downloads: Downloads) -> list[Route]:

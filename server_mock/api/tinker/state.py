@@ -25,6 +25,7 @@ from server_mock.api.tinker.proto.decode import ElementBudget
 from server_mock.config import TinkerOptions
 from server_mock.errors import WorkerError
 from server_mock.service.quotas import TenantLRU
+from server_mock.service.sessions import ClientSessions
 from server_mock.service.worker import WorkerService
 
 logger = logging.getLogger("server_mock")
@@ -60,6 +61,11 @@ class TinkerModel:
     last_request: float = field(default_factory=time.time)
 
 
+def _unknown_session(session_id: str) -> WorkerError:
+    return WorkerError(404, "session_not_found", f"session_id: unknown session {session_id!r} (the worker may have "
+                                                 "restarted)", "session_id")
+
+
 class TinkerState:
     def __init__(self, service: WorkerService, options: TinkerOptions | None = None,
                  clock: Callable[[], float] = time.time) -> None:
@@ -75,7 +81,10 @@ class TinkerState:
         self.journal = TinkerJournal(journal)
         self.held = HeldBytes(options.tinker_waiting_bodies_per_session * limits.max_body_bytes,
                               options.tinker_waiting_bodies * limits.max_body_bytes)
-        self.sessions: dict[str, Session] = {}
+        self.sessions: ClientSessions[Session] = ClientSessions(
+            options.tinker_max_sessions, options.tinker_session_ttl, lambda: self.clock(), _unknown_session,
+            cap_flag="--tinker-max-sessions", ttl_flag="--tinker-session-ttl",
+            advice="close some (ServiceClient.close)")
         self.models: dict[str, TinkerModel] = {}
         self.creations: dict[tuple[str, int], tuple[str, str]] = {}  # (session, model_seq_id) -> (request, model)
         self.sampling_sessions: dict[tuple[str, int], str] = {}  # (session, sampling_session_seq_id) -> sampler
@@ -92,29 +101,15 @@ class TinkerState:
     # -- sessions and models ---------------------------------------------------------------------------
 
     def new_session(self, session_id: str, tenant: str) -> Session:
-        owned = sum(1 for s in self.sessions.values() if s.tenant == tenant)
-        cap = self.options.tinker_max_sessions
-        if owned >= cap:
-            raise WorkerError(429, "too_many_sessions",
-                              f"this API key has {owned} open sessions (limit max_sessions={cap}, "
-                              "--tinker-max-sessions); close some (ServiceClient.close) or wait for idle ones to "
-                              "expire")
         now = self.clock()
-        session = Session(session_id, tenant, created=now, last_seen=now)
-        self.sessions[session_id] = session
-        return session
+        return self.sessions.open(session_id, Session(session_id, tenant, created=now, last_seen=now))
 
     def record_session(self, session: Session) -> None:
         """Before the client gets the session's id (``--durability full``)."""
         self.journal.session_created(session)
 
     def session(self, session_id: str, tenant: str) -> Session:
-        session = self.sessions.get(session_id)
-        if session is None or session.tenant != tenant:
-            raise WorkerError(404, "session_not_found", f"session_id: unknown session {session_id!r} "
-                                                        "(the worker may have restarted)", "session_id")
-        session.last_seen = self.clock()
-        return session
+        return self.sessions.lookup(session_id, tenant)
 
     def count_creation(self, session: Session, what: str) -> None:
         if session.creations >= self.options.tinker_max_creations:
@@ -168,10 +163,9 @@ class TinkerState:
     async def expire(self) -> None:
         """Finish the sessions whose client stopped sending heartbeats (every 10 s while it runs) for longer than
         --tinker-session-ttl: their training models are deleted, which frees their --max-adapters slots."""
-        ttl = self.options.tinker_session_ttl
-        cutoff = self.clock() - ttl
-        for session in [s for s in self.sessions.values() if s.last_seen < cutoff]:
-            logger.info("tinker: session %s sent no heartbeat for %.0fs; finishing it", session.session_id, ttl)
+        for session in self.sessions.idle():
+            logger.info("tinker: session %s sent no heartbeat for %.0fs; finishing it", session.session_id,
+                        self.sessions.ttl)
             await self.finish(session)
 
     async def _delete_run(self, run_id: str, tenant: str) -> None:
