@@ -28,7 +28,7 @@ from server_mock.service.rate_limits import TokenBudgets
 from server_mock.service.validation import check_adam
 from server_mock.service.journal import SEQS_REMEMBERED, STATE_OPS, Journal, OpRow, RunRow, to_torch
 from server_mock.storage import crash_points, records
-from server_mock.storage.checkpoints import check_name
+from server_mock.storage.checkpoints import check_name, parse_path
 
 logger = logging.getLogger("server_mock")
 RUN_ID_RE = re.compile(r"^run-[0-9a-f]{16,32}\Z")
@@ -113,18 +113,23 @@ class Runs:
     def __len__(self) -> int:
         return len(self._runs)
 
-    def _check_lora(self, spec: LoraSpec) -> None:
+    def check_spec(self, spec: LoraSpec, rank_field: str = "lora.rank", switches_field: str = "lora") -> None:
+        """A LoRA layout this worker trains (400 naming the front end's field for the rank, or for the switches)."""
         if not 1 <= spec.rank <= self.limits.max_lora_rank:
-            raise bad_request("lora.rank", f"must be in [1, {self.limits.max_lora_rank}], got {spec.rank}")
+            raise bad_request(rank_field, f"must be in [1, {self.limits.max_lora_rank}] (limit --max-lora-rank), "
+                                          f"got {spec.rank}")
         if not (spec.train_mlp or spec.train_attn or spec.train_unembed):
-            raise bad_request("lora", "at least one of train_mlp, train_attn, train_unembed must be true")
+            raise bad_request(switches_field, "at least one of train_mlp, train_attn, train_unembed must be true")
 
-    def _check_quota(self, tenant: str) -> None:
-        if sum(1 for r in self._runs.values() if r.tenant == tenant) >= self.limits.max_training_runs:
+    def check_room(self, tenant: str, pending: int = 0, pending_all: int = 0) -> None:
+        """Room for one more run of ``tenant``: 429 ``too_many_training_runs`` (per key) or ``too_many_adapters``
+        (the worker). ``pending``/``pending_all``: runs a front end has promised (of this key / of all keys) whose
+        adapters are not made yet."""
+        if sum(1 for r in self._runs.values() if r.tenant == tenant) + pending >= self.limits.max_training_runs:
             raise WorkerError(429, "too_many_training_runs",
                               f"limit max_training_runs={self.limits.max_training_runs} reached; "
                               "delete runs or raise --max-training-runs")
-        if len(self._runs) >= self.limits.max_adapters:
+        if len(self._runs) + pending_all >= self.limits.max_adapters:
             raise WorkerError(429, "too_many_adapters",
                               f"limit max_adapters={self.limits.max_adapters} reached on this worker (all tenants); "
                               "retry later or raise --max-adapters")
@@ -134,14 +139,12 @@ class Runs:
         unused and of the form run ids have, ``run-<hex>``)."""
         if new_id is not None and (new_id in self._runs or not RUN_ID_RE.match(new_id)):
             raise bad_request("training_run_id", f"{new_id!r} is taken or not a run id (run-<hex>)")
-        self._check_quota(tenant)
+        self.check_room(tenant)
         meta = ref = None
-        store = self.checkpoints.store
         if body.from_checkpoint:
-            ref = await asyncio.to_thread(self.checkpoints.owned_ref, body.from_checkpoint, tenant, "from_checkpoint")
-            if ref.kind != "state":
-                raise bad_request("from_checkpoint", "training needs a save_state checkpoint, got a sampler one")
-            meta = await asyncio.to_thread(store.read_meta, ref)
+            meta = await asyncio.to_thread(self.checkpoints.state_meta, body.from_checkpoint, tenant,
+                                           "from_checkpoint")
+            ref = parse_path(body.from_checkpoint, "from_checkpoint")
             base_model, spec = meta["base_model"], LoraSpec.model_validate(meta["lora"])
             if body.base_model and body.base_model != base_model:
                 raise bad_request("base_model",
@@ -150,11 +153,11 @@ class Runs:
             if not body.base_model:
                 raise bad_request("base_model", "required (or pass from_checkpoint)")
             base_model, spec = body.base_model, body.lora
-        self._check_lora(spec)
+        self.check_spec(spec)
         host = await self.models.host(base_model)
         new_id = new_id or run_id("run")
         size = await self.adapter_bytes(base_model, spec, tenant)
-        self._check_quota(tenant)  # again: other creates may have finished meanwhile
+        self.check_room(tenant)  # again: other creates may have finished meanwhile
         self.memory.take(new_id, tenant, size, f"a rank-{spec.rank} adapter on {base_model} (its weights, gradients "
                                                 f"and AdamW moments, {BYTES_PER_TRAINED_PARAM} bytes a parameter)")
         try:
@@ -309,10 +312,9 @@ class Runs:
                 raise bad_request("ttl_seconds", "must be positive or null")
             return PreparedOp(op.op, lambda: self.checkpoints.save(run, host, op), record=record)
         if isinstance(op, LoadOp):
-            ref = self.checkpoints.owned_ref(op.path, run.tenant, "path")  # reads only the small metadata file
-            if ref.kind != "state":
-                raise bad_request("path", "load_state needs a save_state checkpoint, not sampler weights")
-            self.checkpoints.check_compatible(run, self.checkpoints.store.read_meta(ref))
+            meta = self.checkpoints.state_meta(op.path, run.tenant, "path")  # reads only the small metadata file
+            self.checkpoints.check_layout(meta, run.spec, run.base_model, "path")
+            ref = parse_path(op.path, "path")
             return PreparedOp("load_state", lambda: self.checkpoints.load(run, host, ref, op.load_optimizer),
                               record=record)
         raise bad_request("payload.op", "unknown operation")

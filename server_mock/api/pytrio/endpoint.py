@@ -54,6 +54,8 @@ def error_body(exc: WorkerError) -> dict:
 
 
 def control_error(exc: WorkerError) -> JSONResponse:
+    if exc.code == "too_many_adapters":  # the worker is full: the SDK waits on this code until a run is released
+        exc = WorkerError(429, CAPACITY, exc.message + "; the SDK retries until one is released", exc.field)
     status = exc.status
     if status == 429 and exc.code != CAPACITY:
         status = 409  # a per-key limit: final, with its flag named
