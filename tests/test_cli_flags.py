@@ -132,7 +132,7 @@ def test_bounds_are_checked_at_the_limit_and_one_past(flag, limit, below):
 
 def test_tinker_session_cap_is_the_flag():
     options = from_args(TinkerOptions, build_parser().parse_args(["serve", "--tinker-max-sessions", "2"]))
-    service = SimpleNamespace(limits=Limits(), requests=SimpleNamespace(result_ttl=60.0), journal=None)
+    service = SimpleNamespace(limits=Limits(), requests=SimpleNamespace(result_ttl=60.0), samplers=None, journal=None)
     state = TinkerState(service, options)
     state.new_session("s1", "A")
     state.new_session("s2", "A")

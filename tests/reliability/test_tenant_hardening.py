@@ -59,7 +59,7 @@ def test_idempotency_keys_are_kept_per_tenant():
 
 
 def test_tinker_asample_resends_are_remembered_per_tenant():
-    service = SimpleNamespace(limits=Limits(), requests=SimpleNamespace(result_ttl=60.0))
+    service = SimpleNamespace(limits=Limits(), requests=SimpleNamespace(result_ttl=60.0), samplers=None)
     state = TinkerState(service, TinkerOptions(tinker_sample_ids=50))
     state.samples.put("s-b:1", "B", ("tk-b", [], "digest"))
     for i in range(50 + 10):

@@ -54,3 +54,38 @@ def test_a_checkpoint_layout_is_compared_field_by_field():
                                  "source_checkpoint_uri")
     assert differs.value.field == "source_checkpoint_uri" and differs.value.code == "checkpoint_config_mismatch"
     assert "base_model, rank, train_attn" in differs.value.message
+
+
+def test_reused_samplers_are_bounded_per_key_and_made_again_when_dropped():
+    import asyncio
+
+    from pytrio_compat.wire import CreateSampler
+    from server_mock.service.samplers import ReusedSamplers
+
+    class FakeSamplers:
+        def __init__(self) -> None:
+            self.made: dict[str, str] = {}
+            self.count = 0
+
+        async def create(self, body, tenant):
+            sampler_id, self.count = f"s{self.count}", self.count + 1
+            self.made[sampler_id] = tenant
+            return SimpleNamespace(sampler_id=sampler_id)
+
+        def get(self, sampler_id, tenant):
+            if self.made.get(sampler_id) != tenant:
+                raise WorkerError(404, "sampler_not_found", sampler_id)
+            return SimpleNamespace(sampler_id=sampler_id)
+
+    async def scenario():
+        samplers = FakeSamplers()
+        reused = ReusedSamplers(samplers, per_tenant=2)
+        b_first = (await reused.get(CreateSampler(base_model="m0"), "B")).sampler_id
+        a = [(await reused.get(CreateSampler(base_model=f"m{i}"), "A")).sampler_id for i in range(3)]
+        assert reused.count("A") == 2 and reused.count("B") == 1  # A's third evicted A's first, not B's
+        assert (await reused.get(CreateSampler(base_model="m0"), "B")).sampler_id == b_first
+        assert (await reused.get(CreateSampler(base_model="m2"), "A")).sampler_id == a[2]  # reused
+        del samplers.made[a[2]]  # the service dropped it: made again
+        assert (await reused.get(CreateSampler(base_model="m2"), "A")).sampler_id not in a
+
+    asyncio.run(scenario())

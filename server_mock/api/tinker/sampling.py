@@ -127,12 +127,7 @@ async def _sampler_for(state: TinkerState, body: schemas.Asample, tenant: str) -
     """The sampler an asample runs on, and whether it is one of the shared implicit ones."""
     if body.sampling_session_id is not None:
         return body.sampling_session_id, False
-    create = _create_body(body)
-    known = state.implicit_sampler(tenant, create.base_model, create.model_path)
-    if known is None:
-        known = (await state.service.samplers.create(create, tenant)).sampler_id
-        state.keep_implicit_sampler(tenant, create.base_model, create.model_path, known)
-    return known, True
+    return (await state.implicit.get(_create_body(body), tenant)).sampler_id, True
 
 
 async def asample(state: TinkerState, request: Request, tenant: str):

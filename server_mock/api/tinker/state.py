@@ -25,6 +25,7 @@ from server_mock.api.tinker.proto.decode import ElementBudget
 from server_mock.config import TinkerOptions
 from server_mock.errors import WorkerError
 from server_mock.service.quotas import TenantLRU
+from server_mock.service.samplers import ReusedSamplers
 from server_mock.service.sessions import ClientSessions
 from server_mock.service.worker import WorkerService
 
@@ -90,7 +91,8 @@ class TinkerState:
         self.sampling_sessions: dict[tuple[str, int], str] = {}  # (session, sampling_session_seq_id) -> sampler
         # "sampler:seq_id" -> (request id, sequence ids, body digest), to answer re-sent asample requests; per tenant
         self.samples: TenantLRU[tuple[str, list[str], str]] = TenantLRU(options.tinker_sample_ids)
-        self.implicit_samplers: dict[str, OrderedDict[tuple[str | None, str | None], str]] = {}
+        # samplers for asample calls that name no sampling session, the most recent per key
+        self.implicit = ReusedSamplers(service.samplers, options.tinker_implicit_samplers)
         self.sampler_sessions: dict[str, str] = {}  # sampler id -> the session it was made in (provenance scope)
 
     def element_budget(self) -> ElementBudget:
@@ -183,26 +185,3 @@ class TinkerState:
         while len(session.sampler_ids) > self.service.limits.max_samplers:
             old, _ = session.sampler_ids.popitem(last=False)
             self.sampler_sessions.pop(old, None)
-
-    # -- samplers for asample without a sampling session -----------------------------------------------
-
-    def implicit_sampler(self, tenant: str, base_model: str | None, model_path: str | None) -> str | None:
-        """The sampler this tenant already has for these weights, if the service still holds it."""
-        cache = self.implicit_samplers.get(tenant)
-        sampler_id = cache.get((base_model, model_path)) if cache else None
-        if sampler_id is None:
-            return None
-        try:
-            self.service.samplers.get(sampler_id, tenant)
-        except WorkerError:
-            del cache[(base_model, model_path)]
-            return None
-        cache.move_to_end((base_model, model_path))
-        return sampler_id
-
-    def keep_implicit_sampler(self, tenant: str, base_model: str | None, model_path: str | None,
-                              sampler_id: str) -> None:
-        cache = self.implicit_samplers.setdefault(tenant, OrderedDict())
-        cache[(base_model, model_path)] = sampler_id
-        while len(cache) > self.options.tinker_implicit_samplers:
-            cache.popitem(last=False)
