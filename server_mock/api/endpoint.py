@@ -5,10 +5,14 @@ runs ``handler(request, tenant)`` and answers: a ``Response`` as is, a pydantic 
 ``WorkerError`` through the protocol's own error renderer, a client that went away with 499, and anything
 unexpected as a logged 500 with a message (which the renderer may map to its protocol's status). Every answer
 carries an ``x-request-id`` that the log lines of the request also name.
+
+``fingerprint(raw)`` is what tells a re-sent request (the same bytes) from a different one under the same id, in
+every protocol: the SHA-256 of the body as received, never of a re-serialised model.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
@@ -23,6 +27,11 @@ from server_mock.errors import WorkerError
 logger = logging.getLogger("server_mock")
 
 Handler = Callable[[Request, str], Awaitable[Any]]
+
+
+def fingerprint(raw: bytes) -> str:
+    """A request body's fingerprint: the hex SHA-256 of its bytes as received."""
+    return hashlib.sha256(raw).hexdigest()
 TenantOf = Callable[[Request], str]
 RenderError = Callable[[WorkerError], Response]
 

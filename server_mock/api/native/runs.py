@@ -3,11 +3,9 @@ worker thread; its result's arrays are encoded back on the model's thread."""
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterator, Mapping
 
 import numpy as np
-from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.routing import Route
 
@@ -39,11 +37,6 @@ def run_info(service: WorkerService, run: TrainingRun) -> TrainingRunInfo:
                                           max_seq_len=host.max_seq_len),
         last_seq_id=run.last_seq,
     )
-
-
-def op_digest(payload: BaseModel) -> str:
-    """The hash of an op's payload that tells a resent op (same hash) from a conflicting one."""
-    return hashlib.sha256(payload.model_dump_json().encode()).hexdigest()
 
 
 def wire_array(tensor: WireTensor, field_name: str) -> np.ndarray:
@@ -144,19 +137,19 @@ async def delete_run(request: Request, tenant: str):
     return {"deleted": True}
 
 
-async def submit_op(request: Request, tenant: str, body: TrainingOp):
+async def submit_op(request: Request, tenant: str, body: TrainingOp, fingerprint: str):
+    """An op of a run; ``fingerprint`` (its body's bytes) tells a resent op from a conflicting one."""
     service = service_of(request)
     payload = body.payload
     forward = isinstance(payload, ForwardOp)
 
-    def prepare(run: TrainingRun):  # in a worker thread: a forward op's digest, decoding and checks
-        digest = op_digest(payload)
+    def prepare(run: TrainingRun):  # in a worker thread: a forward op's decoding and checks
         if not forward:
-            return digest, payload
+            return fingerprint, payload
         try:
-            return digest, service.runs.prepare(run, forward_batch(payload))
+            return fingerprint, service.runs.prepare(run, forward_batch(payload))
         except Exception as exc:  # noqa: BLE001 - raised after the seq_id checks, as if prepared then
-            return digest, exc
+            return fingerprint, exc
 
     admission = await service.runs.submit_off_loop(request.path_params["run_id"], tenant, body.seq_id, prepare,
                                                    front=FORWARD if forward else None)
@@ -168,5 +161,6 @@ ROUTES = [
     Route("/v1/training_runs", endpoint(list_runs), methods=["GET"]),
     Route("/v1/training_runs/{run_id}", endpoint(get_run), methods=["GET"]),
     Route("/v1/training_runs/{run_id}", endpoint(delete_run), methods=["DELETE"]),
-    Route("/v1/training_runs/{run_id}/ops", endpoint(submit_op, TrainingOp, tensors=True), methods=["POST"]),
+    Route("/v1/training_runs/{run_id}/ops", endpoint(submit_op, TrainingOp, tensors=True, fingerprinted=True),
+          methods=["POST"]),
 ]

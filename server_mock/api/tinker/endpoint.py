@@ -3,7 +3,6 @@ error answers in Tinker's shape."""
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -91,11 +90,11 @@ async def read(request: Request, model: type[TinkerBody], limit: bodies.BodyLimi
     """The body (zstd allowed) validated into ``model`` (in a thread, within the parse budget, when large), and
     its size in bytes."""
     body, raw = await bodies.read_model_raw(request, model, limit, allow_zstd=True, parse=parse)
+    body.received(digest(raw))
     return body, len(raw)
 
 
-def digest(raw: bytes) -> str:
-    return hashlib.sha256(raw).hexdigest()
+digest = api_endpoint.fingerprint  # a re-sent request's body has the same bytes
 
 
 async def read_json(request: Request, limit: bodies.BodyLimit) -> dict:
