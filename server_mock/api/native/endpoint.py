@@ -51,8 +51,7 @@ def service_of(request: Request) -> WorkerService:
 
 def error_response(exc: WorkerError) -> JSONResponse:
     body = ErrorResponse(error=ErrorBody(code=exc.code, message=exc.message, field=exc.field))
-    headers = {"Retry-After": str(exc.retry_after)} if exc.status == 429 else None
-    return JSONResponse(body.model_dump(), status_code=exc.status, headers=headers)
+    return JSONResponse(body.model_dump(), status_code=exc.status)
 
 
 def _tenant(request: Request) -> str:
