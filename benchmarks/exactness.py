@@ -65,7 +65,34 @@ def metric(metrics: dict, *names: str) -> float:
     raise KeyError(f"none of {names} in {sorted(metrics)}")
 
 
-# --- the three front ends' loops (each returns its part of the report) ---
+# --- the three front ends' loops: one workload, each SDK's own types (``T``) and clients ---
+
+def workload(T, tc, work: dict, name: str, wait) -> dict:
+    """The workload on the training client ``tc`` of one SDK; ``wait(future)`` its result."""
+    import numpy as np
+
+    def datum(r):
+        return T.Datum(model_input=T.ModelInput.from_ints(r["tokens"]),
+                       loss_fn_inputs={"target_tokens": r["target_tokens"]})
+
+    losses, norms = [], []
+    for batch in work["batches"]:
+        fb = wait(tc.forward_backward([datum(r) for r in batch], "cross_entropy"))
+        losses.append(metric(fb.metrics, "loss:sum", "loss_sum"))
+        step = wait(tc.optim_step(T.AdamParams(learning_rate=work["learning_rate"])))
+        norms.append(metric(step.metrics, "grad_norm:mean", "grad_norm"))
+    probe = wait(tc.forward([datum(work["probe"])], "cross_entropy")).loss_fn_outputs[0]["logprobs"]
+    sampler = tc.save_weights_and_get_sampling_client()
+    s = work["sample"]
+    group = wait(sampler.sample(T.ModelInput.from_ints(work["prompt"]), s["num_samples"],
+                                T.SamplingParams(max_tokens=s["max_tokens"], seed=s["seed"], stop=[])))
+    state = wait(tc.save_state(f"exact-{name}"))
+    return {"losses": losses, "grad_norms": norms,
+            "probe_logprobs": floats(probe.to_numpy() if hasattr(probe, "to_numpy")
+                                     else np.asarray(probe.data, dtype=np.float64)),
+            "sample_tokens": [list(q.tokens) for q in group.sequences],
+            "sample_logprobs": [floats(q.logprobs) for q in group.sequences], "state_path": state.path}
+
 
 def native_loop(base_url: str, work: dict) -> dict:
     import pytrio_compat as trio
@@ -73,28 +100,7 @@ def native_loop(base_url: str, work: dict) -> dict:
     service = trio.ServiceClient(api_key=KEY, base_url=base_url)
     try:
         tc = service.create_lora_training_client(work["model"], **work["lora"])
-
-        def datum(r):
-            return trio.Datum(model_input=trio.ModelInput.from_ints(r["tokens"]),
-                              loss_fn_inputs={"target_tokens": r["target_tokens"]})
-
-        losses, norms = [], []
-        for batch in work["batches"]:
-            fb = tc.forward_backward([datum(r) for r in batch], "cross_entropy").result()
-            losses.append(metric(fb.metrics, "loss:sum", "loss_sum"))
-            step = tc.optim_step(trio.AdamParams(learning_rate=work["learning_rate"])).result()
-            norms.append(metric(step.metrics, "grad_norm:mean", "grad_norm"))
-        probe = tc.forward([datum(work["probe"])], "cross_entropy").result()
-        sampler = tc.save_weights_and_get_sampling_client()
-        s = work["sample"]
-        group = sampler.sample(trio.ModelInput.from_ints(work["prompt"]), num_samples=s["num_samples"],
-                               sampling_params=trio.SamplingParams(max_tokens=s["max_tokens"], seed=s["seed"],
-                                                                   stop=[])).result()
-        state = tc.save_state("exact-native").result()
-        return {"losses": losses, "grad_norms": norms,
-                "probe_logprobs": floats(probe.loss_fn_outputs[0]["logprobs"].to_numpy()),
-                "sample_tokens": [list(q.tokens) for q in group.sequences],
-                "sample_logprobs": [floats(q.logprobs) for q in group.sequences], "state_path": state.path}
+        return workload(trio, tc, work, "native", lambda future: future.result())
     finally:
         service.close()
 
@@ -103,67 +109,22 @@ def tinker_loop(base_url: str, work: dict) -> dict:
     import warnings
 
     import tinker
-    from tinker import types
 
     warnings.simplefilter("ignore", FutureWarning)
     service = tinker.ServiceClient(base_url=base_url, api_key="tml-" + KEY)
     try:
         tc = service.create_lora_training_client(work["model"], **work["lora"])
-
-        def datum(r):
-            return types.Datum(model_input=types.ModelInput.from_ints(r["tokens"]),
-                               loss_fn_inputs={"target_tokens": r["target_tokens"]})
-
-        losses, norms = [], []
-        for batch in work["batches"]:
-            fb = tc.forward_backward([datum(r) for r in batch], "cross_entropy").result(timeout=120)
-            losses.append(metric(fb.metrics, "loss:sum", "loss_sum"))
-            step = tc.optim_step(types.AdamParams(learning_rate=work["learning_rate"])).result(timeout=120)
-            norms.append(metric(step.metrics, "grad_norm:mean", "grad_norm"))
-        probe = tc.forward([datum(work["probe"])], "cross_entropy").result(timeout=120)
-        sampler = tc.save_weights_and_get_sampling_client()
-        s = work["sample"]
-        group = sampler.sample(types.ModelInput.from_ints(work["prompt"]), num_samples=s["num_samples"],
-                               sampling_params=types.SamplingParams(max_tokens=s["max_tokens"], seed=s["seed"],
-                                                                    stop=[])).result(timeout=120)
-        state = tc.save_state("exact-tinker").result(timeout=120)
-        return {"losses": losses, "grad_norms": norms,
-                "probe_logprobs": floats(probe.loss_fn_outputs[0]["logprobs"].to_numpy()),
-                "sample_tokens": [list(q.tokens) for q in group.sequences],
-                "sample_logprobs": [floats(q.logprobs) for q in group.sequences], "state_path": state.path}
+        return workload(tinker.types, tc, work, "tinker", lambda future: future.result(timeout=120))
     finally:
         service.close("success").result(timeout=30)
 
 
 def pytrio_loop(work: dict) -> dict:
     """Run in a child process configured only by PYTRIO_BASE_URL and PYTRIO_API_KEY, as a PyTRIO user runs it."""
-    import numpy as np
     import pytrio as trio
-    from pytrio import types as T
 
-    svc = trio.ServiceClient()
-    tc = svc.create_lora_training_client(work["model"], **work["lora"])
-
-    def datum(r):
-        return T.Datum(model_input=T.ModelInput.from_ints(r["tokens"]),
-                       loss_fn_inputs={"target_tokens": r["target_tokens"]})
-
-    losses, norms = [], []
-    for batch in work["batches"]:
-        fb = tc.forward_backward([datum(r) for r in batch]).result()
-        losses.append(metric(fb.metrics, "loss:sum", "loss_sum"))
-        step = tc.optim_step(T.AdamParams(learning_rate=work["learning_rate"])).result()
-        norms.append(metric(step.metrics, "grad_norm:mean", "grad_norm"))
-    probe = tc.forward([datum(work["probe"])], "cross_entropy").result()
-    sampler = tc.save_weights_and_get_sampling_client()
-    s = work["sample"]
-    group = sampler.sample(T.ModelInput.from_ints(work["prompt"]), s["num_samples"],
-                           T.SamplingParams(max_tokens=s["max_tokens"], seed=s["seed"], stop=[])).result()
-    state = tc.save_state("exact-pytrio").result()
-    return {"losses": losses, "grad_norms": norms,
-            "probe_logprobs": floats(np.asarray(probe.loss_fn_outputs[0]["logprobs"].data, dtype=np.float64)),
-            "sample_tokens": [list(q.tokens) for q in group.sequences],
-            "sample_logprobs": [floats(q.logprobs) for q in group.sequences], "state_path": state.path}
+    tc = trio.ServiceClient().create_lora_training_client(work["model"], **work["lora"])
+    return workload(trio.types, tc, work, "pytrio", lambda future: future.result())
 
 
 def pytrio_in_child(base_url: str, work: dict, home: Path) -> dict:

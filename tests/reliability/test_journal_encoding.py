@@ -5,47 +5,25 @@ a journal written in the earlier form (the encoder's qualified name) is still ta
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 import warnings
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
-import uvicorn
 
 import pytrio_compat as trio
 from pytrio_compat.types.tensor import WireTensor
 from server_mock.api.native import runs as native_runs
 from server_mock.api.tinker import answers as tinker_answers
-from server_mock.app import create_app
 from server_mock.service import runs as service_runs
 from server_mock.service.worker import WorkerService
 
-from .reliability_helpers import datum
+from .reliability_helpers import datum, serving
 
 KEY = "journal-key"
 MODULE_PATHS = (b"server_mock.", b"pytrio_compat.")
-
-
-@contextmanager
-def serving(service: WorkerService):
-    """``service`` behind a real uvicorn on a loopback port in this process; its base URL."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(service, [KEY]), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
 
 
 def wait_for(predicate, what: str, seconds: float = 60):
@@ -77,7 +55,7 @@ def test_a_pending_forward_op_answers_after_a_restart(tiny_model_dir, tmp_path, 
 
         monkeypatch.setattr(service_runs.Journal, "op_accepted", old_writer)
     first = WorkerService({"tiny": str(tiny_model_dir)}, storage, "cpu", torch.float32)
-    with serving(first) as url:
+    with serving(first, [KEY]) as url:
         client = trio.ServiceClient(api_key=KEY, base_url=url)
         try:
             tc = client.create_lora_training_client("tiny", rank=4, seed=1)
@@ -101,7 +79,7 @@ def test_a_pending_forward_op_answers_after_a_restart(tiny_model_dir, tmp_path, 
     monkeypatch.delattr(native_runs, "encode_forward_result")
     monkeypatch.setattr(tinker_answers.encode_forward, "__qualname__", "protobuf_of_forward")
     second = WorkerService({"tiny": str(tiny_model_dir)}, storage, "cpu", torch.float32)
-    with serving(second) as url:
+    with serving(second, [KEY]) as url:
         answer = httpx.get(f"{url}/v1/requests/{request_id}", params={"wait": 30},
                            headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
     assert answer.status_code == 200, answer.text
@@ -136,7 +114,7 @@ def test_no_file_under_storage_names_a_python_module(tiny_model_dir, tmp_path, m
 
     storage = tmp_path / "storage"
     service = WorkerService({"tiny": str(tiny_model_dir)}, storage, "cpu", torch.float32)
-    with serving(service) as url:
+    with serving(service, [KEY]) as url:
         warnings.simplefilter("ignore", FutureWarning)
         official = tinker.ServiceClient(base_url=url, api_key="tml-" + KEY)
         try:
