@@ -23,6 +23,7 @@ from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
 
+from server_mock.api.bodies import first_error
 from server_mock.api.tinker import schemas
 from server_mock.api.tinker.endpoint import PROTOBUF, read
 from server_mock.api.tinker.paths import tinker_message
@@ -59,7 +60,7 @@ def to_failure(exc: BaseException) -> TinkerFailure:
         failure.message = tinker_message(failure.message, exc.field)
         return failure
     if isinstance(exc, ValidationError):
-        first = exc.errors()[0]
+        first = first_error(exc)
         loc = ".".join(str(p) for p in first.get("loc", ()))
         return TinkerFailure(f"{loc or 'request'}: {first.get('msg', 'invalid')}", "user")
     if isinstance(exc, ProtoError):

@@ -15,6 +15,7 @@ from starlette.requests import Request
 
 from pytrio_compat.wire import ImageChunk
 from pytrio_compat.wire import CreateSampler, SampleRequest, WireImage, WireSamplingParams
+from server_mock.api.bodies import first_error
 from server_mock.api.tinker import provenance, schemas
 from server_mock.api.tinker.answers import sample_answer
 from server_mock.api.tinker.endpoint import read
@@ -117,7 +118,7 @@ def _image_chunk(chunk: schemas.Chunk, position: int, where: str) -> WireImage:
     try:
         image = ImageChunk(data=chunk.data, format=chunk.format, expected_tokens=chunk.expected_tokens)
     except ValidationError as exc:
-        problem = exc.errors()[0]
+        problem = first_error(exc)
         name = ".".join(str(p) for p in problem["loc"]) or "data"
         raise bad_request(f"{where}.{name}", problem["msg"], code="invalid_image") from None
     return WireImage(position=position, chunk=image)
