@@ -18,7 +18,7 @@ from pytrio_compat.wire import CreateTrainingRun, LoadOp, LoraSpec, OptimStepOp,
 from server_mock.config import Limits
 from server_mock.engine.queue import Job
 from server_mock.engine.requests import RequestStore, run_id
-from server_mock.errors import WorkerError, bad_request, not_found, storage_error
+from server_mock.errors import WorkerError, bad_request, not_found, raising, storage_error
 from server_mock.service.checkpoints import Checkpoints
 from server_mock.service.models import Models
 from server_mock.service.ops import ForwardBatch, PreparedOp, prepare_forward
@@ -75,12 +75,6 @@ class TrainingRun:
     last_seq: int = 0
     seqs: dict[int, tuple[str, str]] = field(default_factory=dict)  # seq_id -> (request_id, body hash)
     admitting: asyncio.Lock = field(default_factory=asyncio.Lock)  # ops from the network, one at a time
-
-
-def _raiser(exc: WorkerError) -> Callable[[], dict]:
-    def fail() -> dict:
-        raise exc
-    return fail
 
 
 @dataclass(frozen=True)
@@ -253,7 +247,7 @@ class Runs:
             try:
                 prepared = self.from_record(run, record)
             except WorkerError as exc:  # e.g. a checkpoint to load that is gone now
-                prepared = PreparedOp(op.kind, _raiser(exc))
+                prepared = PreparedOp(op.kind, raising(exc))
             if op.done:  # its result is recorded: run it again only for the state it leaves
                 if op.kind in ("forward_backward", *STATE_OPS):
                     queue.put(Job(f"replay-{op.request_id}", op.kind, prepared.work, owner=run.tenant))
