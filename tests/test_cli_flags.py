@@ -141,3 +141,22 @@ def test_tinker_session_cap_is_the_flag():
         state.new_session("s4", "A")
     assert refused.value.status == 429 and "--tinker-max-sessions" in refused.value.message
     assert sorted(state.sessions) == ["s1", "s2", "s3"]  # the refused one changed nothing
+
+
+def test_a_renamed_flag_keeps_its_old_name_as_an_alias():
+    import argparse
+    from dataclasses import dataclass
+
+    from server_mock.config import add_flags, setting
+
+    @dataclass
+    class Renamed:
+        GROUP = "tenants"
+
+        client_session_ttl: float = setting(60.0, "seconds", aliases=("--old-session-ttl",), minimum=1)
+
+    parser = argparse.ArgumentParser()
+    add_flags(parser, Renamed)
+    assert from_args(Renamed, parser.parse_args(["--old-session-ttl", "5"])).client_session_ttl == 5.0
+    assert from_args(Renamed, parser.parse_args(["--client-session-ttl", "7"])).client_session_ttl == 7.0
+    assert "--old-session-ttl" in parser.format_help() and "(default: 60 s)" in parser.format_help()
