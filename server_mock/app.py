@@ -22,12 +22,13 @@ from server_mock.api.body_budget import BodyBudget
 from server_mock.api.browser_safety import BrowserGuard, HostPolicy
 from server_mock.api.long_polls import LongPolls
 from server_mock.api.downloads import ARCHIVE, Downloads, archive_resolver
+from server_mock.api.lifecycle import FrontEnd, sweep_forever
 from server_mock.api.native import native_routes
 from server_mock.api.native.endpoint import Idempotency
 from server_mock.api.openai.router import openai_routes
 from server_mock.api.pytrio import PytrioProtocol
-from server_mock.api.tinker.router import tinker_routes
-from server_mock.config import PytrioOptions
+from server_mock.api.tinker.router import TinkerProtocol
+from server_mock.config import PytrioOptions, TinkerOptions
 from server_mock.operator import CountAnswers, operator_routes
 from server_mock.service.recovery import recover
 from server_mock.service.worker import WorkerService
@@ -35,19 +36,25 @@ from server_mock.service.worker import WorkerService
 
 def create_app(service: WorkerService, api_keys: list[str] | None = None, *, bind_host: str = "127.0.0.1",
                allowed_hosts: Iterable[str] = (), extra_routes: Iterable[BaseRoute] = (),
-               pytrio_options: PytrioOptions | None = None, admin_keys: Iterable[str] = ()) -> Starlette:
+               pytrio_options: PytrioOptions | None = None, admin_keys: Iterable[str] = (),
+               tinker_options: TinkerOptions | None = None) -> Starlette:
     auth = Auth(api_keys or [], admin_keys)
     downloads = Downloads(default_ttl=service.limits.download_url_seconds)
     downloads.register(ARCHIVE, archive_resolver(service.checkpoints))
     pytrio = PytrioProtocol(service, auth, pytrio_options, downloads)
-    routes = [*native_routes(), *extra_routes, *downloads.routes(), *tinker_routes(service, auth, downloads),
-              *openai_routes(service, auth), *pytrio.routes(), *operator_routes(service, auth)]
+    tinker = TinkerProtocol(service, auth, downloads, tinker_options)
+    fronts: list[FrontEnd] = [tinker, pytrio]  # front ends with state of their own: one lifecycle for all
+    if service.journal is not None:  # --durability full: each takes up its records after the service's recovery
+        service.recovery_hooks.extend(front.restore for front in fronts)
+    routes = [*native_routes(), *extra_routes, *downloads.routes(), *tinker.routes(), *openai_routes(service, auth),
+              *pytrio.routes(), *operator_routes(service, auth)]
     service.usage.traces.sessions.append(pytrio.session_scopes)  # a PyTRIO session's runs' and samplers' ops
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         app.state.recovered = await recover(service)  # before the first request: what a crash left is taken up
-        tasks = [asyncio.create_task(_sweep(service)), asyncio.create_task(pytrio.sweep_forever())]
+        tasks = [asyncio.create_task(_sweep(service)),
+                 *(asyncio.create_task(sweep_forever(front)) for front in fronts)]
         try:
             yield
         finally:
@@ -66,7 +73,9 @@ def create_app(service: WorkerService, api_keys: list[str] | None = None, *, bin
     app.state.body_budget = BodyBudget(service.limits.max_body_bytes_in_flight,
                                        service.limits.max_body_bytes_in_flight_per_tenant)
     app.state.long_polls = LongPolls(service.limits.max_long_polls_per_tenant)
+    app.state.fronts = {front.name: front for front in fronts}
     app.state.pytrio = pytrio
+    app.state.tinker = tinker
     return app
 
 

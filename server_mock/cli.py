@@ -12,93 +12,41 @@ import warnings
 from pathlib import Path
 
 from pytrio_compat.export import cli as export_cli
-from server_mock.config import Connections, Limits, PytrioOptions, StorageOptions, TrainOptions, add_flags, from_args
+from server_mock.config import (
+    ClusterOptions,
+    Connections,
+    Limits,
+    PytrioOptions,
+    ServeOptions,
+    StorageOptions,
+    TinkerOptions,
+    TrainOptions,
+    add_flags,
+    add_sections,
+    from_args,
+    parse_model,
+)
 from server_mock.errors import WorkerError
 
 FILES_RESERVED = 128  # open files the worker keeps for itself (models, checkpoints, pipes) beside connections
+
+# every serve flag, declared in config.py (each class's flags under their groups)
+SERVE_OPTIONS = (ServeOptions, Limits, Connections, StorageOptions, TinkerOptions, PytrioOptions, TrainOptions,
+                 ClusterOptions)
 
 TEXT_TINY_ARCHS = ("qwen2", "llama")
 VISION_TINY_ARCHS = ("qwen3_5", "qwen3_vl", "qwen2_5_vl", "gemma3", "llava")  # engine.tiny_vlm.TINY_VLM_FAMILIES
 
 
-def _parse_model(value: str) -> tuple[str, str]:
-    name, sep, source = value.partition("=")
-    if not sep:
-        return value, value  # a hub id or path that is its own name
-    if not name or not source:
-        raise argparse.ArgumentTypeError(f"--model expects NAME=PATH_OR_HF_ID, got {value!r}")
-    return name, source
-
-
-def _parse_tokenizer_id(value: str) -> tuple[str, str]:
-    name, sep, tokenizer = value.partition("=")
-    if not sep or not name or not tokenizer:
-        raise argparse.ArgumentTypeError(f"--tokenizer-id expects NAME=HUB_ID_OR_PATH, got {value!r}")
-    return name, tokenizer
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pytrio-worker", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="run the HTTP worker")
-    serve.add_argument("--model", action="append", type=_parse_model, default=[], metavar="NAME=PATH_OR_HF_ID",
-                       help="a base model to serve (repeatable)")
-    serve.add_argument("--tokenizer-id", action="append", type=_parse_tokenizer_id, default=[], metavar="NAME=ID",
-                       help="what clients load the served model NAME's tokenizer from (a hub id or a folder on the "
-                            "client's machine); default: the hub id or the folder NAME was served from (repeatable)")
-    serve.add_argument("--lazy-models", action="store_true",
-                       help="also load a model a client names, on first use (used by the embedded worker); with API "
-                            "keys, only the names --lazy-model-allow allows")
-    serve.add_argument("--lazy-model-allow", action="append", default=[], metavar="PATTERN",
-                       help="a hub id or folder --lazy-models may load, as a shell pattern ('HuggingFaceTB/*', "
-                            "'/models/*'; a folder is matched by its real path too); repeatable; '*' allows any")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000, help="0 picks a free port")
-    serve.add_argument("--port-file", help="write the bound port here once listening")
-    serve.add_argument("--api-key", action="append", default=[], metavar="KEY",
-                       help="accepted API key (repeatable; each key is its own tenant). Visible to every local user "
-                            "in the process list: prefer --api-key-file or PYTRIO_WORKER_API_KEYS (comma-separated)")
-    serve.add_argument("--api-key-file", action="append", default=[], metavar="PATH",
-                       help="a file of accepted API keys, one per line ('#' starts a comment; after a key, "
-                            "tokens_per_minute=N sets its own token budget); repeatable")
-    serve.add_argument("--admin-key-file", action="append", default=[], metavar="PATH",
-                       help="a file of operator keys, one per line: they read /metrics, the /console and traces, and "
-                            "are refused on tenant routes (also PYTRIO_WORKER_ADMIN_KEYS, comma-separated); "
-                            "without one, those routes answer 404 (docs/operations.md)")
-    serve.add_argument("--insecure", action="store_true", help="allow a non-loopback bind without an API key")
-    serve.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
-                       help="also answer requests whose Host (or a browser's Origin) is NAME, e.g. the name a "
-                            "reverse proxy forwards; repeatable; '*' accepts any (the worker answers only localhost, "
-                            "loopback addresses and its bind address otherwise, against DNS rebinding)")
-    serve.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    serve.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    serve.add_argument("--storage", default="./storage", help="checkpoint folder")
-    serve.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
-    serve.add_argument("--result-ttl", type=float, default=3600.0,
-                       help="seconds a finished request's result is kept for polling (default 3600)")
-    serve.add_argument("--allow-adapter-dir", action="append", default=[], metavar="DIR",
-                       help="let clients sample from PEFT adapter folders under DIR "
-                            "(create_sampling_client(model_path=...)); repeatable")
-    add_flags(serve.add_argument_group("limits"), Limits)
-    add_flags(serve.add_argument_group("connections"), Connections)
-    add_flags(serve.add_argument_group("storage"), StorageOptions)
-    add_flags(serve.add_argument_group("forward/backward"), TrainOptions)
-    add_flags(serve.add_argument_group("PyTRIO protocol (the official pytrio SDK; docs/pytrio.md)"), PytrioOptions)
-    ray = serve.add_argument_group("Ray cluster (pip install -e .[worker,cluster]; docs/scaling.md)")
-    ray.add_argument("--ray", metavar="auto|ADDRESS",
-                     help="run the models on a Ray cluster: auto joins a running one or starts a local one, HOST:PORT "
-                          "joins that head node. Without it everything runs in this process")
-    ray.add_argument("--sampler-replicas", type=int, default=1, metavar="N",
-                     help="actors that each hold the base model and sample (default 1)")
-    ray.add_argument("--train-replicas", type=int, default=1, metavar="M",
-                     help="data-parallel ranks that train each run together, its batch split by tokens (default 1)")
-    ray.add_argument("--trainer-groups", type=int, default=1, metavar="K",
-                     help="trainer groups of M ranks; each run lives on the least loaded one (default 1)")
-    ray.add_argument("--gpus-per-replica", type=float, default=0.0, metavar="G",
-                     help="GPUs for each sampler replica and train rank (0: they run on CPU)")
-    ray.add_argument("--cpus-per-replica", type=float, default=1.0, metavar="C",
-                     help="CPUs for each sampler replica and train rank (also its torch threads)")
-    serve.add_argument("--log-level", default="INFO")
+    serve = sub.add_parser("serve", help="run the HTTP worker",
+                           description="Serve models over the native, Tinker, OpenAI and PyTRIO protocols. Every "
+                                       "flag is declared in server_mock/config.py; its default ends its help.")
+    add_sections(serve)
+    for options in SERVE_OPTIONS:
+        add_flags(serve, options)
     export = sub.add_parser("export", help="merge a saved checkpoint into its base model (a Hugging Face model "
                                            "folder) and optionally write a GGUF",
                             description="Merge a checkpoint's LoRA into its base model: a full Hugging Face model "
@@ -106,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     export_cli.add_arguments(export, "a trio:// checkpoint path (found in --storage), a checkpoint folder, or a "
                                      "checkpoint archive (.tar)")
     export.add_argument("--storage", default="./storage", help="the worker's checkpoint folder (for trio:// paths)")
-    export.add_argument("--model", action="append", type=_parse_model, default=[], metavar="NAME=PATH_OR_HF_ID",
+    export.add_argument("--model", action="append", type=parse_model, default=[], metavar="NAME=PATH_OR_HF_ID",
                         help="where the base model a checkpoint names is, as for serve (repeatable)")
     tiny = sub.add_parser("make-tiny-model", help="write a random tiny causal LM + tokenizer for smoke tests")
     tiny.add_argument("directory")
@@ -204,8 +152,12 @@ def serve(args: argparse.Namespace) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
-    if not args.ray and (args.sampler_replicas, args.train_replicas, args.trainer_groups, args.gpus_per_replica,
-                         args.cpus_per_replica) != (1, 1, 1, 0.0, 1.0):
+    try:
+        from_args(ServeOptions, args)  # its bounds (--port, --threads)
+        cluster_options = from_args(ClusterOptions, args)
+    except ValueError as exc:
+        sys.exit(str(exc))
+    if not args.ray and not cluster_options.without_ray():
         sys.exit("--sampler-replicas, --train-replicas, --trainer-groups, --gpus-per-replica and --cpus-per-replica "
                  "need --ray auto|ADDRESS")
     cluster = _join_cluster(args) if args.ray else None
@@ -213,7 +165,7 @@ def serve(args: argparse.Namespace) -> None:
     try:
         limits, train_options = from_args(Limits, args), from_args(TrainOptions, args)
         connections = from_args(Connections, args)
-        pytrio_options = from_args(PytrioOptions, args)
+        pytrio_options, tinker_options = from_args(PytrioOptions, args), from_args(TinkerOptions, args)
         storage_options = from_args(StorageOptions, args)
     except ValueError as exc:
         sys.exit(str(exc))
@@ -226,8 +178,6 @@ def serve(args: argparse.Namespace) -> None:
     for folder in args.allow_adapter_dir:
         if not Path(folder).is_dir():
             sys.exit(f"--allow-adapter-dir {folder}: not a folder")
-    if args.result_ttl <= 0:
-        sys.exit("--result-ttl must be positive")
     service = WorkerService(dict(args.model), args.storage, device, resolve_dtype(args.dtype, device),
                             lazy_models=args.lazy_models, limits=limits, result_ttl=args.result_ttl,
                             allow_adapter_dirs=args.allow_adapter_dir,
@@ -241,7 +191,7 @@ def serve(args: argparse.Namespace) -> None:
     for key, budget in key_budgets.items():
         service.budgets.set(tenant_id(key), budget)
     app = create_app(service, keys, bind_host=args.host, allowed_hosts=args.allowed_host,
-                     pytrio_options=pytrio_options, admin_keys=admin_keys)
+                     pytrio_options=pytrio_options, tinker_options=tinker_options, admin_keys=admin_keys)
     sock = listening_socket(args.host, args.port)
     port = sock.getsockname()[1]
     from server_mock.connections import ConnectionGuard, guarded_protocol

@@ -1,6 +1,7 @@
 """The worker's settings, each declared once: its limits (each exceeded one answered with 4xx naming it) and how
 forward/backward runs. Every field is a ``pytrio-worker serve`` flag, generated from its declaration
-(``add_flags``, ``from_args``): the flag is the field's name in dashes unless it says otherwise."""
+(``add_flags``, ``from_args``): the flag is the field's name in dashes unless it says otherwise, its help ends with
+its default, and it is listed under its group (``GROUPS``; a field names its own, or takes its class's ``GROUP``)."""
 
 from __future__ import annotations
 
@@ -8,139 +9,290 @@ import argparse
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
+# The --help sections, in the order they are printed: a setting's ``group`` is one of these keys
+GROUPS = {
+    "serve": "serving",
+    "bodies": "limits: request bodies and connections",
+    "sampling": "limits: sampling",
+    "training": "limits: training",
+    "tenants": "limits: per API key and worker-wide",
+    "storage": "limits: storage, checkpoints and results",
+    "limits": "limits: other",
+    "tinker": "protocols: Tinker (the official tinker SDK; docs/tinker.md)",
+    "pytrio": "protocols: PyTRIO (the official pytrio SDK; docs/pytrio.md)",
+    "model": "forward/backward and decoding",
+    "ray": "Ray cluster (pip install -e .[worker,cluster]; docs/scaling.md)",
+}
+
 
 def setting(default: Any, help: str, *, flag: str | None = None, choices: dict[str, Any] | None = None,
             minimum: float | None = None, maximum: float | None = None, why: str = "",
-            metavar: str | None = None) -> Any:
+            metavar: str | None = None, group: str | None = None, aliases: tuple[str, ...] = (),
+            parse: Any = None, shown: str | None = None) -> Any:
     """A field with its flag's help text; ``choices`` maps flag values to field values, ``minimum`` and ``maximum``
-    are checked by ``from_args`` (``why`` says what the bounds mean)."""
-    return field(default=default, metadata={"help": help, "flag": flag, "choices": choices, "minimum": minimum,
-                                            "maximum": maximum, "why": why, "metavar": metavar})
+    are checked by ``from_args`` (``why`` says what the bounds mean). ``group`` is a key of ``GROUPS``;
+    ``aliases`` are older names the flag keeps answering to; ``parse`` turns the flag's text into the value;
+    ``shown`` is how --help shows a default that is not a value. A list default makes a repeatable flag."""
+    assert group is None or group in GROUPS, f"unknown settings group {group!r}"
+    meta = {"help": help, "flag": flag, "choices": choices, "minimum": minimum, "maximum": maximum, "why": why,
+            "metavar": metavar, "group": group, "aliases": aliases, "parse": parse, "shown": shown}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def parse_model(value: str) -> tuple[str, str]:
+    """``--model NAME=PATH_OR_HF_ID`` (or a hub id or path that is its own name)."""
+    name, sep, source = value.partition("=")
+    if not sep:
+        return value, value
+    if not name or not source:
+        raise argparse.ArgumentTypeError(f"--model expects NAME=PATH_OR_HF_ID, got {value!r}")
+    return name, source
+
+
+def parse_tokenizer_id(value: str) -> tuple[str, str]:
+    name, sep, tokenizer = value.partition("=")
+    if not sep or not name or not tokenizer:
+        raise argparse.ArgumentTypeError(f"--tokenizer-id expects NAME=HUB_ID_OR_PATH, got {value!r}")
+    return name, tokenizer
+
+
+@dataclass
+class ServeOptions:
+    """What the worker serves, to whom, and where it listens and keeps its files."""
+
+    GROUP = "serve"
+
+    model: list = setting([], "a base model to serve (repeatable)", parse=parse_model, metavar="NAME=PATH_OR_HF_ID")
+    tokenizer_id: list = setting([], "what clients load the served model NAME's tokenizer from (a hub id or a folder "
+                                     "on the client's machine); repeatable", parse=parse_tokenizer_id,
+                                 metavar="NAME=ID", shown="the hub id or the folder NAME was served from")
+    lazy_models: bool = setting(False, "also load a model a client names, on first use (used by the embedded "
+                                       "worker); with API keys, only the names --lazy-model-allow allows")
+    lazy_model_allow: list = setting([], "a hub id or folder --lazy-models may load, as a shell pattern "
+                                         "('HuggingFaceTB/*', '/models/*'; a folder is matched by its real path "
+                                         "too); repeatable; '*' allows any", metavar="PATTERN")
+    host: str = setting("127.0.0.1", "address to listen on (a non-loopback one needs API keys, or --insecure)",
+                        metavar="ADDRESS")
+    port: int = setting(8000, "port to listen on; 0 picks a free port", minimum=0, maximum=65535, why="a TCP port",
+                        metavar="PORT")
+    port_file: str | None = setting(None, "write the bound port here once listening", metavar="PATH")
+    api_key: list = setting([], "accepted API key (repeatable; each key is its own tenant). Visible to every local "
+                                "user in the process list: prefer --api-key-file or PYTRIO_WORKER_API_KEYS "
+                                "(comma-separated)", metavar="KEY")
+    api_key_file: list = setting([], "a file of accepted API keys, one per line ('#' starts a comment; after a key, "
+                                     "tokens_per_minute=N sets its own token budget); repeatable", metavar="PATH")
+    admin_key_file: list = setting([], "a file of operator keys, one per line: they read /metrics, the /console and "
+                                       "traces, and are refused on tenant routes (also PYTRIO_WORKER_ADMIN_KEYS, "
+                                       "comma-separated); without one, those routes answer 404 (docs/operations.md)",
+                                   metavar="PATH")
+    insecure: bool = setting(False, "allow a non-loopback bind without an API key")
+    allowed_host: list = setting([], "also answer requests whose Host (or a browser's Origin) is NAME, e.g. the name "
+                                     "a reverse proxy forwards; repeatable; '*' accepts any (the worker answers only "
+                                     "localhost, loopback addresses and its bind address otherwise, against DNS "
+                                     "rebinding)", metavar="NAME")
+    device: str = setting("auto", "where the models run: auto picks cuda when a GPU is visible",
+                          choices={"auto": "auto", "cpu": "cpu", "cuda": "cuda"})
+    dtype: str = setting("auto", "the models' weights dtype: auto is bfloat16 on a GPU, float32 on the CPU",
+                         choices={"auto": "auto", "float32": "float32", "bfloat16": "bfloat16"})
+    storage: str = setting("./storage", "folder of checkpoints and (--durability full) the journal", metavar="PATH")
+    threads: int = setting(0, "torch CPU threads (0: torch's default)", minimum=0, why="0: torch's default")
+    allow_adapter_dir: list = setting([], "let clients sample from PEFT adapter folders under DIR "
+                                          "(create_sampling_client(model_path=...)); repeatable", metavar="DIR")
+    log_level: str = setting("INFO", "logging level of the worker's own messages (DEBUG, INFO, WARNING, ERROR)",
+                             metavar="LEVEL")
+
+
+@dataclass
+class ClusterOptions:
+    """Where the models run when not in this process: a Ray cluster (server_mock/cluster/)."""
+
+    GROUP = "ray"
+
+    ray: str | None = setting(None, "run the models on a Ray cluster: auto joins a running one or starts a local "
+                                    "one, HOST:PORT joins that head node. Without it everything runs in this process",
+                              metavar="auto|ADDRESS")
+    sampler_replicas: int = setting(1, "actors that each hold the base model and sample", metavar="N")
+    train_replicas: int = setting(1, "data-parallel ranks that train each run together, its batch split by tokens",
+                                  metavar="N")
+    trainer_groups: int = setting(1, "trainer groups of --train-replicas ranks; each run lives on the least loaded "
+                                     "one", metavar="N")
+    gpus_per_replica: float = setting(0.0, "GPUs for each sampler replica and train rank (0: they run on CPU)",
+                                      metavar="N")
+    cpus_per_replica: float = setting(1.0, "CPUs for each sampler replica and train rank (also its torch threads)",
+                                      metavar="N")
+
+    def without_ray(self) -> bool:
+        """Whether every replica flag is at its default (as it must be without --ray)."""
+        return all(getattr(self, f.name) == f.default for f in fields(self) if f.name != "ray")
 
 
 @dataclass
 class Limits:
     """Every limit is explicit; exceeding one is answered with 413/429 naming it."""
 
+    GROUP = "limits"
+
     max_body_bytes: int = setting(64 * 1024 * 1024, "largest request body that carries tensors (native training "
-                                                    "ops, Tinker forward_backward), in bytes")
-    max_json_body_bytes: int = setting(4 * 1024 * 1024, "largest request body of every other route (JSON), in bytes")
+                                                    "ops, Tinker forward_backward), in bytes", group="bodies")
+    max_json_body_bytes: int = setting(4 * 1024 * 1024, "largest request body of every other route (JSON), in bytes",
+                                       group="bodies")
     max_json_values: int = setting(1 << 16, "JSON values (numbers, strings, list items, object members) in one "
                                             "JSON request body (4x that in a body that carries tensors): parsing "
                                             "holds ~60 bytes and some microseconds for each, whatever its size, "
-                                            "without letting go of the interpreter")
+                                            "without letting go of the interpreter", group="bodies")
     max_zstd_ratio: int = setting(100, "how many times its compressed size a zstd body (Tinker routes) may expand "
-                                       "to, beyond 1 MiB", minimum=1, why="a ratio")
+                                       "to, beyond 1 MiB", minimum=1, why="a ratio", group="bodies")
     max_parsing_bytes: int = setting(256 * 1024 * 1024, "request bodies over 1 MiB parsed at once, all requests "
                                                         "together: their bytes plus 64 per JSON value (others wait)",
-                                     minimum=1, why="a budget of bytes")
+                                     minimum=1, why="a budget of bytes", group="bodies")
     # bodies being received (api/body_budget.py): a Content-Length is counted when the headers arrive, before a byte
     # of the body; nothing is allocated for it until its bytes come
     max_body_bytes_in_flight: int = setting(1 << 30, "bytes of request bodies being received at once, all keys "
                                                      "together (a body's Content-Length is counted from its headers "
-                                                     "on); past it, 429 + Retry-After (default 1 GiB)", minimum=1,
-                                            why="a budget of bytes")
+                                                     "on); past it, 429 + Retry-After", minimum=1,
+                                            why="a budget of bytes", group="bodies")
     max_body_bytes_in_flight_per_tenant: int = setting(256 * 1024 * 1024, "bytes of request bodies one API key may "
                                                                           "have being received at once; past it, "
-                                                                          "429 + Retry-After (default 256 MiB)",
-                                                       minimum=1, why="a budget of bytes")
+                                                                          "429 + Retry-After",
+                                                       minimum=1, why="a budget of bytes", group="bodies")
     max_seq_len: int = setting(8192, "longest sequence (prompt + completion, or a datum), in tokens; the model's own "
-                                     "context caps it")
-    max_tokens_per_request: int = setting(262_144, "tokens in one forward/backward request, all datums together")
+                                     "context caps it", group="training")
+    max_tokens_per_request: int = setting(262_144, "tokens in one forward/backward request, all datums together",
+                                          group="training")
     max_datums_per_request: int = setting(4096, "datums in one forward/backward request or PyTRIO training event, "
                                                 "every protocol (the PyTRIO SDK is told to split its calls into "
-                                                "events of at most this many; default 4096)", minimum=1,
-                                          why="a count of datums")
-    max_sample_tokens: int = setting(8192, "max_tokens of one sample request")
+                                                "events of at most this many)", minimum=1,
+                                          why="a count of datums", group="training")
+    max_sample_tokens: int = setting(8192, "max_tokens of one sample request", group="sampling")
     max_sample_request_tokens: int = setting(262_144, "num_samples x (prompt + max_tokens) of one sample request: "
-                                                      "how long it may hold the model")
-    max_num_samples: int = setting(256, "num_samples of one sample request")
-    max_training_runs: int = setting(64, "training runs per API key")
-    max_adapters: int = setting(256, "training runs on this worker, all keys together")
+                                                      "how long it may hold the model", group="sampling")
+    max_num_samples: int = setting(256, "num_samples of one sample request", group="sampling")
+    max_training_runs: int = setting(64, "training runs per API key", group="tenants")
+    max_adapters: int = setting(256, "training runs on this worker, all keys together", group="tenants")
     max_queued_requests: int = setting(1024, "training ops and samples queued or running, per API key (more get 429 "
-                                             "+ Retry-After)")
+                                             "+ Retry-After)", group="tenants")
     max_pending_forward_ops: int = setting(128, "forward and forward_backward ops one training run may take after "
                                                 "its last optim_step or load_state (their payloads are journaled "
                                                 "and run again after a restart); more get 409 until it steps",
-                                           minimum=1)
-    max_samplers: int = setting(1024, "sampling clients kept per API key (its least recently used dropped first)")
+                                           minimum=1, group="training")
+    max_samplers: int = setting(1024, "sampling clients kept per API key (its least recently used dropped first)",
+                                group="sampling")
     max_snapshots: int = setting(16, "in-memory sampler snapshots kept per API key "
-                                     "(save_weights_and_get_sampling_client); its least recently used dropped first")
-    max_lora_rank: int = setting(128, "largest LoRA rank a run may ask for")
+                                     "(save_weights_and_get_sampling_client); its least recently used dropped first",
+                                 group="sampling")
+    max_lora_rank: int = setting(128, "largest LoRA rank a run may ask for", group="training")
     # a run's adapter memory: LoRA weights, their gradients and AdamW's two moments, all float32 (16 bytes a parameter)
     max_adapter_bytes: int = setting(0, "memory the training runs of one API key may hold (LoRA weights, gradients, "
                                         "AdamW moments: 16 bytes a parameter, from the model's layout); 0: a quarter "
-                                        "of --max-adapter-bytes-total", minimum=0, why="0 is the default")
+                                        "of --max-adapter-bytes-total", minimum=0, why="0 is the default",
+                                     group="tenants")
     max_adapter_bytes_total: int = setting(0, "memory the training runs of all keys may hold together; 0: half of "
                                               "the device's memory (the GPU's, or RAM on the CPU)", minimum=0,
-                                           why="0 is the default")
+                                           why="0 is the default", group="tenants")
     # requests of different tenants decoded as one batch would let each see the other's traffic (batch_requests,
     # timings, the last bits of seeded logprobs); batching them is faster when many tenants sample one base model
     batch_across_tenants: bool = setting(False, "decode sample requests of different API keys for the same weights "
                                                 "as one batch: more throughput when many keys sample a base model, "
-                                                "but each then sees the others' traffic in its answers")
+                                                "but each then sees the others' traffic in its answers",
+                                         group="sampling")
     max_long_polls_per_tenant: int = setting(256, "long polls one API key may hold open at once (Tinker "
                                                   "retrieve_future, native wait=, PyTRIO Prefer: wait=); its next "
                                                   "one ends its oldest at once with the protocol's 'not ready, poll "
-                                                  "again' answer (default 256)", minimum=1, why="a count of polls")
+                                                  "again' answer", minimum=1, why="a count of polls", group="bodies")
     max_result_bytes: int = setting(1 << 30, "bytes of finished results (native requests, Tinker futures; PyTRIO "
                                              "event and sample answers counted apart) kept for polling per API key; "
                                              "past it its oldest are dropped", minimum=1,
-                                    why="a budget of bytes")
+                                    why="a budget of bytes", group="storage")
     # Checked against every generated token, so bounded: OpenAI takes 4 stop strings, vLLM and SGLang
     # take any number but real requests carry a handful of short ones.
-    max_stop_strings: int = setting(16, "stop strings per sample request")
-    max_stop_string_bytes: int = setting(256, "UTF-8 bytes of one stop string")
+    max_stop_strings: int = setting(16, "stop strings per sample request", group="sampling")
+    max_stop_string_bytes: int = setting(256, "UTF-8 bytes of one stop string", group="sampling")
     # checked per token; clients send a few, or a few hundred (a class of ids)
-    max_stop_token_ids: int = setting(1024, "stop token ids per sample request")
+    max_stop_token_ids: int = setting(1024, "stop token ids per sample request", group="sampling")
     # a long decode yields the model to the next waiting tenant after this long (engine/queue.py)
     decode_slice_seconds: float = setting(0.5, "seconds a decode batch runs before the next tenant waiting for the "
                                                "model takes its turn (the batch resumes after it); requests for the "
                                                "same weights join the batch between steps", minimum=0.001,
-                                          metavar="S")
+                                          metavar="S", group="sampling")
     # images (engine/images.py): the bytes bound what a client may send, the pixels what decoding may allocate
     # (checked from the file's header before any pixel is decoded), the count how many decodes one request buys
-    max_image_bytes: int = setting(10 * 1024 * 1024, "bytes of one image (PNG or JPEG file)")
+    max_image_bytes: int = setting(10 * 1024 * 1024, "bytes of one image (PNG or JPEG file)", group="bodies")
     max_image_pixels: int = setting(4096 * 4096, "width x height of one image, read from its header before decoding "
-                                                 "(a decompression bomb is refused unread)")
+                                                 "(a decompression bomb is refused unread)", group="bodies")
     max_images_per_request: int = setting(256, "image chunks in one sample or forward/backward request, all datums "
-                                               "together (identical images are decoded once)")
+                                               "together (identical images are decoded once)", group="training")
     max_decoded_image_bytes: int = setting(256 * 1024 * 1024, "bytes the distinct images of one request decode to "
                                                               "together (width x height x 3 each, read from their "
-                                                              "headers before any is decoded; default 256 MiB)",
-                                           minimum=1, why="a budget of bytes")
+                                                              "headers before any is decoded)",
+                                           minimum=1, why="a budget of bytes", group="training")
     # soft-target cross-entropy: target_tokens / weights of shape [N, K] (top-K distillation sends K ~ 20)
-    max_target_k: int = setting(1024, "K, the targets per position of soft-target cross-entropy ([N, K] inputs)")
+    max_target_k: int = setting(1024, "K, the targets per position of soft-target cross-entropy ([N, K] inputs)",
+                                group="training")
     max_target_cells: int = setting(4_194_304, "soft-target cells (N x K, all datums together) in one "
-                                               "forward/backward request")
+                                               "forward/backward request", group="training")
     # stable_reinforce: what the sampler records per returned sequence when asked (record_stability_info)
     max_recorded_sequences: int = setting(65_536, "sampled sequences whose stability records are kept per API key "
-                                                  "(least recently used dropped first)")
+                                                  "(least recently used dropped first)", group="tenants")
     max_recorded_tokens: int = setting(16_777_216, "tokens (prompts once per request, plus sampled tokens) held in "
                                                    "stability records per API key (least recently used dropped "
-                                                   "first)")
+                                                   "first)", group="tenants")
     checkpoint_sweep_seconds: float = setting(60.0, "how often expired checkpoints (ttl_seconds) are deleted from "
                                                     "disk, in seconds; they answer 404 from their expiry on",
-                                              minimum=0.05, why="the sweeper's own tick")
+                                              minimum=0.05, why="the sweeper's own tick", group="storage")
     recorded_sequence_ttl: float = setting(86_400.0, "seconds a stability record is kept after its last use "
-                                                     "(sampling, or a training request naming it)")
+                                                     "(sampling, or a training request naming it)", group="tenants")
 
     # a checkpoint archive streams a tar of the adapter files to a temporary file: bounded so that downloads
     # never hold more than this many copies being written at once (more answer 429 + Retry-After)
     max_archive_builds: int = setting(2, "checkpoint archives built at once, all keys together", minimum=1,
-                                      why="0 would refuse every download")
+                                      why="0 would refuse every download", group="storage")
     download_url_seconds: int = setting(3600, "lifetime of a signed download URL, in seconds",
-                                        minimum=60, why="a URL must outlive its own transfer")
+                                        minimum=60, why="a URL must outlive its own transfer", group="storage")
     # service/rate_limits.py: a bucket per key, refilled continuously; a key's own budget may be set in its keys file
     tokens_per_minute: int = setting(0, "tokens one API key may use a minute (datums trained or run forward, sample "
                                         "prompts plus num_samples x max_tokens, the unused part given back); past "
                                         "it, 429 with Retry-After. 0: no limit", minimum=0, why="0: no limit",
-                                     metavar="N")
+                                     metavar="N", group="tenants")
+
+@dataclass
+class TinkerOptions:
+    """The Tinker protocol (server_mock/api/tinker/, docs/tinker.md): how many sessions a key keeps open, how long
+    one lives without a heartbeat, and what the requests waiting for their turn may hold."""
+
+    GROUP = "tinker"
+
+    tinker_max_sessions: int = setting(256, "open Tinker sessions per API key (more get 429)", minimum=1,
+                                       why="a count of sessions", metavar="N")
+    tinker_session_ttl: float = setting(1800.0, "seconds a Tinker session without a heartbeat or a request is kept "
+                                                "(the SDK beats every 10 s while its client lives); then it is "
+                                                "finished and its training models deleted (checkpoints stay)",
+                                        minimum=60, why="the SDK beats every 10 s", metavar="S")
+    tinker_max_creations: int = setting(1024, "training models and sampling sessions one Tinker session may create, "
+                                              "each", minimum=1, why="a count", metavar="N")
+    tinker_max_seq_ahead: int = setting(1024, "how far past a training model's next expected seq_id a Tinker request "
+                                              "may be (it waits for the ones before it)", minimum=1,
+                                        why="the next request must be accepted", metavar="N")
+    tinker_waiting_bodies_per_session: int = setting(4, "out-of-order Tinker requests of one session hold at most N x "
+                                                        "--max-body-bytes while they wait", minimum=1,
+                                                     why="one body must fit", metavar="N")
+    tinker_waiting_bodies: int = setting(16, "out-of-order Tinker requests of the whole worker hold at most N x "
+                                             "--max-body-bytes while they wait", minimum=1, why="one body must fit",
+                                         metavar="N")
+    tinker_implicit_samplers: int = setting(16, "samplers kept per API key for Tinker asample calls that name no "
+                                                "sampling session (the least recently used dropped first)",
+                                            minimum=1, why="a count", metavar="N")
+    tinker_sample_ids: int = setting(20_000, "(sampler, seq_id) pairs remembered per API key to answer re-sent "
+                                             "Tinker asample requests", minimum=1, why="a count", metavar="N")
+
 
 @dataclass
 class PytrioOptions:
     """The PyTRIO protocol (server_mock/api/pytrio/, docs/pytrio.md): the limits its Control plane hands the
     official ``pytrio`` SDK, and how long its sessions, runs, tokens and event answers live."""
+
+    GROUP = "pytrio"
 
     # The SDK splits one forward_backward call into Actor events of at most these sizes (0: no limit sent, no split).
     pytrio_max_batch_size: int = setting(0, "datums per PyTRIO training event: the SDK splits a call into events of at "
@@ -182,6 +334,11 @@ class PytrioOptions:
 class StorageOptions:
     """What ``--storage`` keeps beyond checkpoints (docs/reliability.md, "The worker restarts")."""
 
+    GROUP = "storage"
+
+    result_ttl: float = setting(3600.0, "seconds a finished request's result is kept for polling", minimum=0.001,
+                                why="a result must be kept to be polled")
+
     durability: str = setting("full", "full: runs, their ops, samplers, snapshots and results are recorded under "
                                       "--storage before they are acknowledged, and a restarted worker carries on "
                                       "from them; checkpoint-only: only saved checkpoints survive a restart",
@@ -194,6 +351,8 @@ class StorageOptions:
 @dataclass
 class Connections:
     """What the HTTP server grants one connection: time to send a request, and room among the others."""
+
+    GROUP = "bodies"
 
     request_timeout: float = setting(60.0, "seconds a client has to send a whole request (headers and body), from "
                                            "connecting or its first byte; slower ones get 408 and are closed",
@@ -216,6 +375,8 @@ class TrainOptions:
     """How the model runs: forward/backward, and the sampler's decode steps. bf16 autocast is 2-3x faster on CPUs
     with AVX-512 BF16 and on GPUs, but the trainer's logprobs then differ from the float32 sampler's by ~1e-2, so
     it is off unless asked for."""
+
+    GROUP = "model"
 
     micro_batch_tokens: int = setting(MICRO_BATCH_TOKENS, "padded tokens per forward/backward pass (bounds "
                                                           "activation and logit memory)")
@@ -245,7 +406,7 @@ class TrainOptions:
     # datums of one call sharing at least this many leading tokens run them once (prefix_sharing.py); 0 = never
     prefix_share_min_tokens: int = setting(PREFIX_SHARE_MIN_TOKENS, "in one forward/backward call, datums sharing at "
                                            "least N leading tokens (a GRPO group's prompt) run them once; the results "
-                                           "are unchanged. 0 disables (default 32)", minimum=0,
+                                           "are unchanged. 0 disables", minimum=0,
                                            why="0 disables prefix sharing", metavar="N")
 
 
@@ -253,21 +414,95 @@ def _flag(f) -> str:
     return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
 
 
+def _default(f) -> Any:
+    return f.default_factory() if f.default is MISSING and f.default_factory is not MISSING else f.default
+
+
+def _is_bytes(f) -> bool:
+    metavar = f.metadata.get("metavar")
+    return metavar == "BYTES" if metavar else "bytes" in f.name
+
+
+def _is_seconds(f) -> bool:
+    metavar = f.metadata.get("metavar")
+    if metavar:
+        return metavar == "S"
+    return any(word in f.name for word in ("seconds", "ttl", "timeout", "_wait", "keepalive"))
+
+
+def _sized(n: int) -> str:
+    for power, unit in ((3, "GiB"), (2, "MiB"), (1, "KiB")):
+        if n >= 1024 ** power and n % 1024 ** power == 0:
+            return f"{n // 1024 ** power} {unit}"
+    return f"{n} bytes"
+
+
+def shown_default(f) -> str:
+    """The field's default as its help shows it: by unit (64 MiB, 1800 s), a choice's name, on/off, none."""
+    default, meta = _default(f), f.metadata
+    if meta.get("shown"):
+        return meta["shown"]
+    if meta.get("choices"):
+        return {value: name for name, value in meta["choices"].items()}[default]
+    if isinstance(default, bool):
+        return "off"  # the flag not given
+    if default is None or default == []:
+        return "none"
+    if isinstance(default, int) and _is_bytes(f) and default:
+        return _sized(default)
+    if isinstance(default, (int, float)):
+        return f"{default:g} s" if _is_seconds(f) else f"{default:g}" if isinstance(default, float) else str(default)
+    return str(default)
+
+
+def _metavar(f) -> str | None:
+    if f.metadata.get("metavar"):
+        return f.metadata["metavar"]
+    default = _default(f)
+    if isinstance(default, (int, float)) and not isinstance(default, bool):
+        return "BYTES" if _is_bytes(f) else "S" if _is_seconds(f) else "N"
+    return None
+
+
+def _section(parser: argparse.ArgumentParser, key: str) -> argparse._ArgumentGroup:
+    """The argument group of ``GROUPS[key]``, made once per parser."""
+    sections = parser.__dict__.setdefault("_setting_sections", {})
+    if key not in sections:
+        sections[key] = parser.add_argument_group(GROUPS[key])
+    return sections[key]
+
+
+def add_sections(parser: argparse.ArgumentParser) -> None:
+    """Make every group of ``GROUPS`` now, so that --help lists them in that order whatever is added first."""
+    for key in GROUPS:
+        _section(parser, key)
+
+
 def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type) -> None:
-    """One flag per field of the settings dataclass ``cls``."""
+    """One flag per field of the settings dataclass ``cls``, under its group (given a parser; given an argument
+    group, every flag goes there), its help ending with its default."""
     for f in fields(cls):
-        meta, default = f.metadata, f.default
+        meta, default = f.metadata, _default(f)
         assert default is not MISSING, f"{cls.__name__}.{f.name} needs a default to be a flag"
+        target = parser
+        if isinstance(parser, argparse.ArgumentParser):
+            target = _section(parser, meta.get("group") or getattr(cls, "GROUP", "limits"))
+        names = [_flag(f), *meta.get("aliases", ())]
+        help_text = f"{meta['help']} (default: {shown_default(f)})"
         if meta.get("choices"):
-            names = {value: name for name, value in meta["choices"].items()}
-            parser.add_argument(_flag(f), dest=f.name, default=names[default], choices=list(meta["choices"]),
-                                help=meta["help"])
+            names_of = {value: name for name, value in meta["choices"].items()}
+            target.add_argument(*names, dest=f.name, default=names_of[default], choices=list(meta["choices"]),
+                                help=help_text)
         elif isinstance(default, bool):
-            parser.add_argument(_flag(f), dest=f.name, action="store_false" if default else "store_true",
-                                help=meta["help"])
+            target.add_argument(*names, dest=f.name, action="store_false" if default else "store_true",
+                                help=help_text)
+        elif isinstance(default, list):
+            target.add_argument(*names, dest=f.name, action="append", type=meta.get("parse") or str, default=[],
+                                metavar=_metavar(f), help=help_text)
         else:
-            parser.add_argument(_flag(f), dest=f.name, type=type(default), default=default,
-                                metavar=meta.get("metavar"), help=meta["help"])
+            kind = meta.get("parse") or (str if default is None else type(default))
+            target.add_argument(*names, dest=f.name, type=kind, default=default, metavar=_metavar(f),
+                                help=help_text)
 
 
 def from_args(cls: type, args: argparse.Namespace) -> Any:

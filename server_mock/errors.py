@@ -14,6 +14,15 @@ class WorkerError(Exception):
         self.field = field
 
 
+def raising(exc: BaseException):
+    """A thunk that raises ``exc`` when called: an error carried to where the work would have run."""
+
+    def fail(*_args, **_kwargs):
+        raise exc
+
+    return fail
+
+
 def bad_request(field: str, message: str, code: str = "invalid_request") -> WorkerError:
     return WorkerError(400, code, f"{field}: {message}", field)
 

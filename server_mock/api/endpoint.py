@@ -2,13 +2,17 @@
 
 ``endpoint(handler, tenant_of=..., render_error=...)`` authenticates the caller (unless the route is public),
 runs ``handler(request, tenant)`` and answers: a ``Response`` as is, a pydantic model or a dict as JSON, a
-``WorkerError`` through the protocol's own error renderer, a client that went away with 499, and anything
-unexpected as a logged 500 with a message (which the renderer may map to its protocol's status). Every answer
-carries an ``x-request-id`` that the log lines of the request also name.
+``WorkerError`` through the protocol's own error renderer (a 429 with ``Retry-After``), a client that went away
+with 499, and anything unexpected as a logged 500 with a message (which the renderer may map to its protocol's
+status). Every answer carries an ``x-request-id`` that the log lines of the request also name.
+
+``fingerprint(raw)`` is what tells a re-sent request (the same bytes) from a different one under the same id, in
+every protocol: the SHA-256 of the body as received, never of a re-serialised model.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
@@ -28,6 +32,23 @@ TenantOf = Callable[[Request], str]
 RenderError = Callable[[WorkerError], Response]
 
 
+def fingerprint(raw: bytes) -> str:
+    """A request body's fingerprint: the hex SHA-256 of its bytes as received."""
+    return hashlib.sha256(raw).hexdigest()
+
+
+def carries_body(request: Request, bodiless: tuple[str, ...] = ("GET", "HEAD", "OPTIONS")) -> bool:
+    """Whether a request has (or announces) a body, whose media type must then be checked. A method in
+    ``bodiless`` never does (a body there means nothing to any route); clients send ``Content-Type`` even on
+    some POSTs without a body, so its length decides."""
+    if request.method in bodiless:
+        return False
+    headers = request.headers
+    if "content-type" in headers or "transfer-encoding" in headers:
+        return True
+    return headers.get("content-length", "0").strip() not in ("", "0")
+
+
 def endpoint(handler: Handler, *, tenant_of: TenantOf, render_error: RenderError, public: bool = False,
              protocol: str = "") -> Callable[[Request], Awaitable[Response]]:
     async def wrapped(request: Request) -> Response:
@@ -40,7 +61,10 @@ def endpoint(handler: Handler, *, tenant_of: TenantOf, render_error: RenderError
         except WorkerError as exc:
             if tenant:
                 _refused(request, tenant, exc)
-            return _tagged(render_error(exc), request_id)
+            response = render_error(exc)
+            if response.status_code == 429:  # every protocol's clients are told when to retry
+                response.headers.setdefault("Retry-After", str(exc.retry_after))
+            return _tagged(response, request_id)
         except ClientDisconnect:  # the client went away mid-body: nothing was queued, nobody to answer
             logger.debug("client disconnected while sending %s", request.url.path)
             return Response(status_code=499)

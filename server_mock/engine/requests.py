@@ -15,6 +15,57 @@ from server_mock.errors import WorkerError
 DROPPED_REMEMBERED = 4096  # ids of results dropped for bytes, remembered to say why they are gone
 
 
+class FinishedResults:
+    """The finished results of each owner (an API key), oldest first, with their bytes and when they finished: the
+    one bookkeeping of every store of answers kept for polling (the service's requests, Tinker's futures). A result
+    is kept ``ttl`` seconds; past ``max_bytes`` of one owner, that owner's oldest are dropped at once (the newest
+    always stays, so that it can be fetched), and their ids are remembered to say why they are gone."""
+
+    def __init__(self, ttl: float, max_bytes: int) -> None:
+        self.ttl, self.max_bytes = ttl, max_bytes
+        self._held: dict[str, OrderedDict[str, tuple[int, float]]] = {}  # owner -> id -> (bytes, finished)
+        self._bytes: dict[str, int] = {}
+        self._dropped: OrderedDict[str, str] = OrderedDict()  # id -> owner
+
+    def add(self, owner: str, result_id: str, size: int, finished: float) -> list[str]:
+        """Count a finished result; the ids of this owner's oldest dropped to stay within ``max_bytes``."""
+        held = self._held.setdefault(owner, OrderedDict())
+        held[result_id] = (size, finished)
+        self._bytes[owner] = self._bytes.get(owner, 0) + size
+        dropped = []
+        while self._bytes[owner] > self.max_bytes and len(held) > 1:
+            oldest = next(iter(held))
+            self.remove(owner, oldest)
+            dropped.append(oldest)
+            self._dropped[oldest] = owner
+            while len(self._dropped) > DROPPED_REMEMBERED:
+                self._dropped.popitem(last=False)
+        return dropped
+
+    def remove(self, owner: str, result_id: str) -> None:
+        held = self._held.get(owner)
+        if held is None or result_id not in held:
+            return
+        left = self._bytes.get(owner, 0) - held.pop(result_id)[0]
+        if held:
+            self._bytes[owner] = left
+        else:
+            del self._held[owner]
+            self._bytes.pop(owner, None)
+
+    def expired(self, now: float) -> list[tuple[str, str]]:
+        """(owner, id) of each result finished more than ``ttl`` seconds before ``now``."""
+        cutoff = now - self.ttl
+        return [(owner, rid) for owner, held in self._held.items() for rid, (_, at) in held.items() if at < cutoff]
+
+    def held_bytes(self, owner: str) -> int:
+        return self._bytes.get(owner, 0)
+
+    def dropped_for_bytes(self, result_id: str, owner: str) -> bool:
+        """Whether this owner's result was dropped to stay within ``max_bytes`` (rather than expired)."""
+        return self._dropped.get(result_id) == owner
+
+
 class RequestStore:
     """Every request by id, for polling. A finished request is forgotten ``result_ttl`` seconds later; past
     ``max_result_bytes`` of finished results per owner, that owner's oldest are forgotten at once."""
@@ -24,9 +75,7 @@ class RequestStore:
         self.max_result_bytes = max_result_bytes
         self._jobs: dict[str, Job] = {}
         self._unfinished: dict[str, Job] = {}  # queued or running; only touched on the event loop
-        self._held: dict[str, OrderedDict[str, int]] = {}  # owner -> finished request ids (oldest first) -> bytes
-        self._held_bytes: dict[str, int] = {}
-        self._dropped: OrderedDict[str, str] = OrderedDict()  # request id -> owner
+        self._results = FinishedResults(result_ttl, max_result_bytes)  # what the finished ones hold
 
     def new_job(self, kind: str, fn: Callable[[], dict], owner: str = "", request_id: str | None = None) -> Job:
         """A job for a new request (``request_id``: one accepted before a restart, queued again under its id)."""
@@ -64,7 +113,7 @@ class RequestStore:
 
     def why_gone(self, request_id: str, owner: str) -> str:
         """Why an unknown request of ``owner`` may be unknown, for the 404."""
-        if self._dropped.get(request_id) == owner:
+        if self._results.dropped_for_bytes(request_id, owner):
             return (f"dropped: this API key's finished results held more than max_result_bytes="
                     f"{self.max_result_bytes} bytes, and the oldest go first")
         return "expired or worker restarted"
@@ -77,7 +126,7 @@ class RequestStore:
 
     def held_bytes(self, owner: str) -> int:
         """What this owner's finished results hold, as counted against ``max_result_bytes``."""
-        return self._held_bytes.get(owner, 0)
+        return self._results.held_bytes(owner)
 
     def _expired(self, job: Job, now: float) -> bool:
         return job.finished is not None and now - job.finished > self.result_ttl
@@ -87,31 +136,13 @@ class RequestStore:
         they hold more than the budget (the newest always stays, so that it can be fetched)."""
         if job.request_id not in self._jobs:
             return
-        held = self._held.setdefault(job.owner, OrderedDict())
-        size = approx_bytes(job.result)
-        held[job.request_id] = size
-        total = self._held_bytes.get(job.owner, 0) + size
-        self._held_bytes[job.owner] = total
-        while total > self.max_result_bytes and len(held) > 1:
-            oldest = next(iter(held))
-            self._forget(oldest)
-            self._dropped[oldest] = job.owner
-            while len(self._dropped) > DROPPED_REMEMBERED:
-                self._dropped.popitem(last=False)
-            total = self._held_bytes.get(job.owner, 0)
+        for oldest in self._results.add(job.owner, job.request_id, approx_bytes(job.result), job.finished or 0.0):
+            self._jobs.pop(oldest, None)
 
     def _forget(self, request_id: str) -> None:
         job = self._jobs.pop(request_id, None)
-        if job is None:
-            return
-        held = self._held.get(job.owner)
-        if held is not None and request_id in held:
-            left = self._held_bytes.get(job.owner, 0) - held.pop(request_id)
-            if held:
-                self._held_bytes[job.owner] = left
-            else:
-                del self._held[job.owner]
-                self._held_bytes.pop(job.owner, None)
+        if job is not None:
+            self._results.remove(job.owner, request_id)
 
     def sweep(self) -> int:
         now = time.monotonic()

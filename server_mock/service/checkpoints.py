@@ -165,17 +165,27 @@ class Checkpoints:
         self.snapshots.pop(ref.path)
         self.snapshot_expiry.pop(ref.path, None)
 
+    def state_meta(self, uri: str, tenant: str, field: str) -> dict:
+        """The metadata of ``uri``, a ``save_state`` checkpoint of this tenant (400 naming ``field`` for sampler
+        weights; 404 for another tenant's or a missing one). Reads one small file: call it off the event loop."""
+        ref = self.owned_ref(uri, tenant, field)
+        if ref.kind != "state":
+            raise bad_request(field, f"{uri} holds sampler weights (save_weights_for_sampler); training starts from "
+                                     "or loads a save_state checkpoint", code="invalid_checkpoint")
+        return self.store.read_meta(ref)
+
     @staticmethod
-    def check_compatible(run, meta: dict) -> None:
-        """A checkpoint loaded into ``run`` must have the run's base model and LoRA layout."""
-        spec = LoraSpec.model_validate(meta["lora"])
+    def check_layout(meta: dict, spec, base_model: str | None, field: str) -> None:
+        """A checkpoint (its ``meta``) loaded into a run of ``spec`` on ``base_model`` (None: not compared) must
+        have that LoRA layout; 400 ``checkpoint_config_mismatch`` naming ``field`` and what differs."""
+        saved = LoraSpec.model_validate(meta["lora"])
         mismatches = [f for f in ("rank", "train_mlp", "train_attn", "train_unembed")
-                      if getattr(spec, f) != getattr(run.spec, f)]
-        if meta["base_model"] != run.base_model:
+                      if getattr(saved, f) != getattr(spec, f)]
+        if base_model is not None and meta["base_model"] != base_model:
             mismatches.insert(0, "base_model")
         if mismatches:
-            raise WorkerError(400, "checkpoint_config_mismatch", "path: checkpoint does not match this training "
-                                                                  f"client in: {', '.join(mismatches)}", "path")
+            raise WorkerError(400, "checkpoint_config_mismatch", f"{field}: the checkpoint does not match this "
+                                                                  f"training run in: {', '.join(mismatches)}", field)
 
     # --- on the model's thread: save and load a run's weights (and Adam state) ---
 

@@ -18,7 +18,7 @@ from pytrio_compat.wire import CreateTrainingRun, LoadOp, LoraSpec, OptimStepOp,
 from server_mock.config import Limits
 from server_mock.engine.queue import Job
 from server_mock.engine.requests import RequestStore, run_id
-from server_mock.errors import WorkerError, bad_request, not_found, storage_error
+from server_mock.errors import WorkerError, bad_request, not_found, raising, storage_error
 from server_mock.service.checkpoints import Checkpoints
 from server_mock.service.models import Models
 from server_mock.service.ops import ForwardBatch, PreparedOp, prepare_forward
@@ -28,26 +28,41 @@ from server_mock.service.rate_limits import TokenBudgets
 from server_mock.service.validation import check_adam
 from server_mock.service.journal import SEQS_REMEMBERED, STATE_OPS, Journal, OpRow, RunRow, to_torch
 from server_mock.storage import crash_points, records
-from server_mock.storage.checkpoints import check_name
+from server_mock.storage.checkpoints import check_name, parse_path
 
 logger = logging.getLogger("server_mock")
 RUN_ID_RE = re.compile(r"^run-[0-9a-f]{16,32}\Z")
 FORWARD_OPS = ("forward", "forward_backward")  # their payloads stay journaled until the run's state is saved
 
-# Front ends' conversions of an op's result to their wire form, by name: an op queued again after a restart is
-# encoded as its front end asked when it was accepted (register one with ``wire_encoder``).
-ENCODERS: dict[str, Callable[[dict], dict]] = {}
+# How each front end answers its ops, by protocol tag. An op is journaled with its front end's ``front``: data
+# only (its "protocol" tag, the kind of answer and its fields), never the name of a Python function; the
+# model-thread encoder of its result is what ``encoder_for(front)`` of that protocol gives (None: the result is
+# left as it is), now and when the op is queued again after a restart (``register_front``).
+Encoder = Callable[[dict], dict]
+FRONTS: dict[str, Callable[[dict], Encoder | None]] = {}
+
+# Journals written before ``front`` described every encoded op named its encoder by its Python qualified name:
+# read as the answer that name stood for (a record in that form is still taken up).
+LEGACY_ENCODERS = {"server_mock.api.native.runs.encode_forward_result": {"protocol": "native", "answer": "forward"},
+                   "server_mock.api.tinker.answers.encode_forward": {"protocol": "tinker", "answer": "forward"}}
 
 
-def wire_encoder(fn: Callable[[dict], dict]) -> Callable[[dict], dict]:
-    ENCODERS[f"{fn.__module__}.{fn.__qualname__}"] = fn
-    return fn
+def register_front(protocol: str, encoder_for: Callable[[dict], Encoder | None]) -> None:
+    """Once per protocol: what encodes the result of an op that protocol journaled with ``front``."""
+    FRONTS[protocol] = encoder_for
 
 
-def _encoder_name(fn: Callable | None) -> str | None:
-    """The registered name of ``fn`` (None: not registered; a result queued again is then left as it is)."""
-    name = f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', '')}"
-    return name if fn is not None and ENCODERS.get(name) is fn else None
+def encoder_for(front: dict | None) -> Encoder | None:
+    """The model-thread encoder an op's ``front`` describes (None: no front, or its protocol encodes nothing)."""
+    encoder_of = FRONTS.get(front.get("protocol", "")) if front else None
+    return encoder_of(front) if encoder_of is not None else None
+
+
+def front_of(front: dict | None, record: dict) -> dict | None:
+    """An op's ``front``, or (a journal of the earlier form) the one its record's encoder name stood for."""
+    if front is None and record.get("encode"):
+        return LEGACY_ENCODERS.get(record["encode"])
+    return front
 
 
 @dataclass
@@ -69,12 +84,6 @@ def run_damaged(training_run_id: str, reason: str) -> WorkerError:
                        f"training_run: {training_run_id} could not be restored after the worker restarted: its record "
                        f"in the journal is damaged ({reason}); it was moved to the quarantine table of "
                        "durable/state.db. Start a new run from its last checkpoint", "training_run_id")
-
-
-def _raiser(exc: WorkerError) -> Callable[[], dict]:
-    def fail() -> dict:
-        raise exc
-    return fail
 
 
 @dataclass(frozen=True)
@@ -109,18 +118,23 @@ class Runs:
     def __len__(self) -> int:
         return len(self._runs)
 
-    def _check_lora(self, spec: LoraSpec) -> None:
+    def check_spec(self, spec: LoraSpec, rank_field: str = "lora.rank", switches_field: str = "lora") -> None:
+        """A LoRA layout this worker trains (400 naming the front end's field for the rank, or for the switches)."""
         if not 1 <= spec.rank <= self.limits.max_lora_rank:
-            raise bad_request("lora.rank", f"must be in [1, {self.limits.max_lora_rank}], got {spec.rank}")
+            raise bad_request(rank_field, f"must be in [1, {self.limits.max_lora_rank}] (limit --max-lora-rank), "
+                                          f"got {spec.rank}")
         if not (spec.train_mlp or spec.train_attn or spec.train_unembed):
-            raise bad_request("lora", "at least one of train_mlp, train_attn, train_unembed must be true")
+            raise bad_request(switches_field, "at least one of train_mlp, train_attn, train_unembed must be true")
 
-    def _check_quota(self, tenant: str) -> None:
-        if sum(1 for r in self._runs.values() if r.tenant == tenant) >= self.limits.max_training_runs:
+    def check_room(self, tenant: str, pending: int = 0, pending_all: int = 0) -> None:
+        """Room for one more run of ``tenant``: 429 ``too_many_training_runs`` (per key) or ``too_many_adapters``
+        (the worker). ``pending``/``pending_all``: runs a front end has promised (of this key / of all keys) whose
+        adapters are not made yet."""
+        if sum(1 for r in self._runs.values() if r.tenant == tenant) + pending >= self.limits.max_training_runs:
             raise WorkerError(429, "too_many_training_runs",
                               f"limit max_training_runs={self.limits.max_training_runs} reached; "
                               "delete runs or raise --max-training-runs")
-        if len(self._runs) >= self.limits.max_adapters:
+        if len(self._runs) + pending_all >= self.limits.max_adapters:
             raise WorkerError(429, "too_many_adapters",
                               f"limit max_adapters={self.limits.max_adapters} reached on this worker (all tenants); "
                               "retry later or raise --max-adapters")
@@ -130,14 +144,12 @@ class Runs:
         unused and of the form run ids have, ``run-<hex>``)."""
         if new_id is not None and (new_id in self._runs or not RUN_ID_RE.match(new_id)):
             raise bad_request("training_run_id", f"{new_id!r} is taken or not a run id (run-<hex>)")
-        self._check_quota(tenant)
+        self.check_room(tenant)
         meta = ref = None
-        store = self.checkpoints.store
         if body.from_checkpoint:
-            ref = await asyncio.to_thread(self.checkpoints.owned_ref, body.from_checkpoint, tenant, "from_checkpoint")
-            if ref.kind != "state":
-                raise bad_request("from_checkpoint", "training needs a save_state checkpoint, got a sampler one")
-            meta = await asyncio.to_thread(store.read_meta, ref)
+            meta = await asyncio.to_thread(self.checkpoints.state_meta, body.from_checkpoint, tenant,
+                                           "from_checkpoint")
+            ref = parse_path(body.from_checkpoint, "from_checkpoint")
             base_model, spec = meta["base_model"], LoraSpec.model_validate(meta["lora"])
             if body.base_model and body.base_model != base_model:
                 raise bad_request("base_model",
@@ -146,11 +158,11 @@ class Runs:
             if not body.base_model:
                 raise bad_request("base_model", "required (or pass from_checkpoint)")
             base_model, spec = body.base_model, body.lora
-        self._check_lora(spec)
+        self.check_spec(spec)
         host = await self.models.host(base_model)
         new_id = new_id or run_id("run")
         size = await self.adapter_bytes(base_model, spec, tenant)
-        self._check_quota(tenant)  # again: other creates may have finished meanwhile
+        self.check_room(tenant)  # again: other creates may have finished meanwhile
         self.memory.take(new_id, tenant, size, f"a rank-{spec.rank} adapter on {base_model} (its weights, gradients "
                                                 f"and AdamW moments, {BYTES_PER_TRAINED_PARAM} bytes a parameter)")
         try:
@@ -269,9 +281,9 @@ class Runs:
             try:
                 prepared = self.from_record(run, record)
             except WorkerError as exc:  # e.g. a checkpoint to load that is gone now
-                prepared = PreparedOp(op.kind, _raiser(exc))
+                prepared = PreparedOp(op.kind, raising(exc))
             except Exception as exc:  # noqa: BLE001 - a record that no longer validates: its poll gets why
-                prepared = PreparedOp(op.kind, _raiser(WorkerError(
+                prepared = PreparedOp(op.kind, raising(WorkerError(
                     500, "journal_damaged", f"{op.kind}: its journal record could not be read after a restart "
                                             f"({type(exc).__name__}); call it again")))
             if op.done:  # its result is recorded: run it again only for the state it leaves
@@ -279,7 +291,7 @@ class Runs:
                     queue.put(Job(f"replay-{op.request_id}", op.kind, prepared.work, owner=run.tenant))
                 continue
             job = self.requests.new_job(prepared.kind, prepared.work, run.tenant, request_id=op.request_id)
-            job.encode = ENCODERS.get(record.get("encode") or "")
+            job.encode = encoder_for(front_of(op.front, record))
             job.on_result = self._recorder(run, op.seq, prepared.kind)
             queue.put(job)
         return run
@@ -339,10 +351,9 @@ class Runs:
                 raise bad_request("ttl_seconds", "must be positive or null")
             return PreparedOp(op.op, lambda: self.checkpoints.save(run, host, op), record=record)
         if isinstance(op, LoadOp):
-            ref = self.checkpoints.owned_ref(op.path, run.tenant, "path")  # reads only the small metadata file
-            if ref.kind != "state":
-                raise bad_request("path", "load_state needs a save_state checkpoint, not sampler weights")
-            self.checkpoints.check_compatible(run, self.checkpoints.store.read_meta(ref))
+            meta = self.checkpoints.state_meta(op.path, run.tenant, "path")  # reads only the small metadata file
+            self.checkpoints.check_layout(meta, run.spec, run.base_model, "path")
+            ref = parse_path(op.path, "path")
             return PreparedOp("load_state", lambda: self.checkpoints.load(run, host, ref, op.load_optimizer),
                               record=record)
         raise bad_request("payload.op", "unknown operation")
@@ -371,15 +382,17 @@ class Runs:
                           lambda: self.checkpoints.save_export(run, host, name, ttl_seconds, layout, recipients))
 
     def submit(self, training_run_id: str, work: PreparedOp | BaseException | Op, tenant: str, *,
-               seq_id: int | None, body_hash: str = "", encode: Callable[[dict], dict] | None = None,
+               seq_id: int | None, body_hash: str = "", encode: Encoder | None = None,
                request_id: str | None = None, front: dict | None = None) -> Admission:
         """Accept one op of a run: ``seq_id`` must be the next one (a resent seq_id with the same body hash
         answers the original request; None: the next in order, for front ends that order ops themselves).
 
         ``work`` is the op, its ``PreparedOp``, or the error preparing it gave: the seq_id and queue checks come
-        first, and preparing (or its error) only counts for an op they let in. ``encode`` converts the result to
-        the caller's wire form on the model thread. ``request_id``: the id a front end chose for the request (Tinker:
-        its future's id); ``front``: its own fields, journaled with the op (``OpRow.front`` after a restart)."""
+        first, and preparing (or its error) only counts for an op they let in. ``front``: the front end's own fields
+        (data: its protocol tag, its answer), journaled with the op (``OpRow.front`` after a restart); the result is
+        converted to the caller's wire form on the model thread by ``encode``, by default what the protocol's
+        ``encoder_for(front)`` gives, as it will be after a restart. ``request_id``: the id a front end chose for
+        the request (Tinker: its future's id)."""
         run = self.get(training_run_id, tenant)
         if seq_id is None:
             seq_id = run.last_seq + 1
@@ -404,13 +417,13 @@ class Runs:
                               "each is kept to run again after a restart); call optim_step before more")
         self.budgets.take(tenant, prepared.tokens)  # 429 + Retry-After past the key's tokens a minute
         job = self.requests.new_job(prepared.kind, prepared.work, tenant, request_id=request_id)
-        job.encode, job.tokens, job.scope = encode, prepared.tokens, run.run_id
+        job.encode = encode if encode is not None else encoder_for(front)
+        job.tokens, job.scope = prepared.tokens, run.run_id
         if self.journal is not None:
-            record = None if prepared.record is None else {**prepared.record, "encode": _encoder_name(encode)}
             try:
-                room = self.checkpoints.room(tenant) if record is not None else None
-                self.journal.op_accepted(run.run_id, seq_id, job.request_id, prepared.kind, body_hash, record, front,
-                                         room)
+                room = self.checkpoints.room(tenant) if prepared.record is not None else None
+                self.journal.op_accepted(run.run_id, seq_id, job.request_id, prepared.kind, body_hash,
+                                         prepared.record, front, room)
             except Exception as exc:  # noqa: BLE001 - a full disk: the op is refused, nothing changed
                 self.requests.discard(job.request_id)
                 self.budgets.give_back(tenant, prepared.tokens)
@@ -438,11 +451,11 @@ class Runs:
 
     async def submit_off_loop(self, training_run_id: str, tenant: str, seq_id: int,
                               prepare: Callable[[TrainingRun], tuple[str, PreparedOp | BaseException | Op]],
-                              encode: Callable[[dict], dict] | None = None) -> Admission:
+                              front: dict | None = None) -> Admission:
         """``submit`` for an op from the network whose decoding and checks are heavy: ``prepare(run)`` runs in a
         worker thread and gives (body hash, work). A run's ops are admitted one at a time in arrival order, so
         each sees the seq_ids of the ones before it exactly as if it had been admitted at once."""
         run = self.get(training_run_id, tenant)
         async with run.admitting:
             body_hash, work = await asyncio.to_thread(prepare, run)
-            return self.submit(training_run_id, work, tenant, seq_id=seq_id, body_hash=body_hash, encode=encode)
+            return self.submit(training_run_id, work, tenant, seq_id=seq_id, body_hash=body_hash, front=front)

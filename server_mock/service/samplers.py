@@ -233,6 +233,31 @@ class Samplers:
         self.journal.request_finished(job, result, error)
 
 
+class ReusedSamplers:
+    """The samplers a front end reuses for requests that name none (Tinker's asample by base model or weights path,
+    OpenAI's by model name): one per (API key, weights), the ``per_tenant`` most recently used of each key, so one
+    key's traffic never evicts another's. A sampler the service dropped meanwhile is made again."""
+
+    def __init__(self, samplers: Samplers, per_tenant: int) -> None:
+        self.samplers = samplers
+        self._ids: TenantLRU[str] = TenantLRU(per_tenant)
+
+    async def get(self, create: CreateSampler, tenant: str) -> Sampler:
+        key = f"{tenant}\x00{create.base_model}\x00{create.model_path}"
+        sampler_id = self._ids.get(key)
+        if sampler_id is not None:
+            try:
+                return self.samplers.get(sampler_id, tenant)
+            except WorkerError:
+                self._ids.pop(key)
+        sampler = await self.samplers.create(create, tenant)
+        self._ids.put(key, tenant, sampler.sampler_id)
+        return sampler
+
+    def count(self, tenant: str) -> int:
+        return self._ids.count(tenant)
+
+
 class _SampleDecoding:
     """Sample requests for one set of weights decoding in slices (the queue's ``Decoding``): the host's
     ``sampling_session`` with each finished request in its result form."""

@@ -59,10 +59,16 @@ def in_process_worker(model_dir: Path, storage: Path) -> Iterator[str]:
     """A worker in this process (real uvicorn on a free loopback port, real HTTP; the tiny model on the CPU in
     float32), so that a test can watch or hold what it does; yields its base URL, shut down after the block.
     Patches meant to be seen by the worker go in before entering."""
-    service = WorkerService({"tiny": str(model_dir)}, storage, "cpu", torch.float32)
+    with serving(WorkerService({"tiny": str(model_dir)}, storage, "cpu", torch.float32)) as url:
+        yield url
+
+
+@contextmanager
+def serving(service: WorkerService, api_keys: list[str] | None = None) -> Iterator[str]:
+    """``service`` behind a real uvicorn on a free loopback port in this process; yields its base URL."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(service), log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(create_app(service, api_keys), log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     while not server.started:

@@ -112,6 +112,20 @@ def test_held_results_are_dropped_oldest_first_past_the_byte_budget():
     asyncio.run(scenario())
 
 
+def test_finished_results_expire_by_their_finish_time_and_stay_within_the_budget():
+    from server_mock.engine.requests import FinishedResults
+
+    results = FinishedResults(ttl=10.0, max_bytes=100)
+    assert results.add("A", "a1", 60, finished=1.0) == [] and results.add("B", "b1", 60, finished=2.0) == []
+    assert results.add("A", "a2", 40, finished=3.0) == []  # exactly the budget: kept
+    assert results.add("A", "a3", 1, finished=4.0) == ["a1"]  # one past it: the oldest goes
+    assert results.held_bytes("A") == 41 and results.held_bytes("B") == 60
+    assert results.dropped_for_bytes("a1", "A") and not results.dropped_for_bytes("a1", "B")
+    assert results.expired(now=13.0) == [("B", "b1")]  # finished more than 10 s before: b1 only (a2 at exactly 10)
+    results.remove("B", "b1")
+    assert results.held_bytes("B") == 0 and results.expired(now=100.0) == [("A", "a2"), ("A", "a3")]
+
+
 def test_tinker_futures_expire_and_are_dropped_past_the_byte_budget():
     async def scenario():
         futures = Futures(ttl=0.3, max_bytes=10_000)
@@ -127,6 +141,8 @@ def test_tinker_futures_expire_and_are_dropped_past_the_byte_budget():
         third = futures.add("A", result(4000))  # 12 kB of A's: the oldest finished goes
         await asyncio.sleep(0.01)
         assert futures.get(first, "A") is None and futures.get(third, "A") is not None
+        assert "max_result_bytes=10000" in futures.why_gone(first, "A")  # the same reason as the service's store
+        assert "expired" in futures.why_gone(first, "B")  # not B's to know
         assert futures.get(other, "B") is not None and futures.get(other, "A") is None
         pending = futures.add("A", asyncio.sleep(10))
         await asyncio.sleep(0.4)  # past the TTL: finished futures are gone, a pending one is not

@@ -22,8 +22,8 @@ import torch
 from support import REPO, WorkerProcess, running_worker
 
 from server_mock.api.native.endpoint import Idempotency
-from server_mock.api.tinker.state import MAX_SAMPLE_IDS, TinkerState
-from server_mock.config import Limits
+from server_mock.api.tinker.state import TinkerState
+from server_mock.config import Limits, TinkerOptions
 from server_mock.storage.checkpoints import CheckpointRef, CheckpointStore
 
 from .reliability_helpers import KEY_A, KEY_B, datum_wire
@@ -59,13 +59,13 @@ def test_idempotency_keys_are_kept_per_tenant():
 
 
 def test_tinker_asample_resends_are_remembered_per_tenant():
-    service = SimpleNamespace(limits=Limits(), requests=SimpleNamespace(result_ttl=60.0))
-    state = TinkerState(service)
+    service = SimpleNamespace(limits=Limits(), requests=SimpleNamespace(result_ttl=60.0), samplers=None)
+    state = TinkerState(service, TinkerOptions(tinker_sample_ids=50))
     state.samples.put("s-b:1", "B", ("tk-b", [], "digest"))
-    for i in range(MAX_SAMPLE_IDS + 10):
+    for i in range(50 + 10):
         state.samples.put(f"s-a:{i}", "A", ("tk-a", [], "digest"))
     assert state.samples.get("s-b:1") == ("tk-b", [], "digest")
-    assert state.samples.count("A") == MAX_SAMPLE_IDS and state.samples.get("s-a:0") is None
+    assert state.samples.count("A") == 50 and state.samples.get("s-a:0") is None
 
 
 def _fault_worker(tiny_model_dir, tmp_path, *extra, keys=(KEY_A, KEY_B, KEY_C)) -> WorkerProcess:

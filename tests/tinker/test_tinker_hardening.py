@@ -297,16 +297,17 @@ def test_tokenizer_id_is_the_operators_when_set(tiny_model_dir, tmp_path):
 
 @pytest.mark.timeout(120)
 def test_open_sessions_are_bounded_per_api_key(raw_a, raw_b):
-    from server_mock.api.tinker.state import MAX_SESSIONS_PER_TENANT
+    from server_mock.config import TinkerOptions
 
+    max_sessions = TinkerOptions().tinker_max_sessions
     opened = []
     while True:
         r = raw_b.post("/create_session", json={"tags": [], "type": "create_session"})
         if r.status_code != 200:
             break
         opened.append(r.json()["session_id"])
-        assert len(opened) <= MAX_SESSIONS_PER_TENANT
-    assert r.status_code == 429 and f"max_sessions={MAX_SESSIONS_PER_TENANT}" in r.json()["detail"], r.text
+        assert len(opened) <= max_sessions
+    assert r.status_code == 429 and f"--tinker-max-sessions={max_sessions}" in r.json()["detail"], r.text
     assert raw_a.session().startswith("sess-")  # another API key is not affected
     assert raw_b.post(f"/sessions/{opened[0]}/finish", json={}).status_code == 200
     assert raw_b.session().startswith("sess-")  # a finished session frees its place

@@ -14,7 +14,7 @@ from starlette.responses import JSONResponse
 
 from pytrio_compat.wire import ErrorBody, ErrorResponse
 from server_mock.api import endpoint as api_endpoint
-from server_mock.api.bodies import json_limit, read_model, tensor_limit
+from server_mock.api.bodies import json_limit, read_model_raw, tensor_limit
 from server_mock.api.browser_safety import require_media_type
 from server_mock.errors import WorkerError
 from server_mock.service.quotas import TenantLRU
@@ -51,8 +51,7 @@ def service_of(request: Request) -> WorkerService:
 
 def error_response(exc: WorkerError) -> JSONResponse:
     body = ErrorResponse(error=ErrorBody(code=exc.code, message=exc.message, field=exc.field))
-    headers = {"Retry-After": str(exc.retry_after)} if exc.status == 429 else None
-    return JSONResponse(body.model_dump(), status_code=exc.status, headers=headers)
+    return JSONResponse(body.model_dump(), status_code=exc.status)
 
 
 def _tenant(request: Request) -> str:
@@ -60,17 +59,20 @@ def _tenant(request: Request) -> str:
 
 
 def endpoint(handler: Handler, body_model: type[BaseModel] | None = None, public: bool = False,
-             tensors: bool = False):
+             tensors: bool = False, fingerprinted: bool = False):
     """A native route around ``handler(request, tenant[, body=...])``: the caller's tenant (unless public), the
     JSON body validated into ``body_model`` (parsed off the event loop when large), native error answers. A body
-    is within ``--max-json-body-bytes``, or ``--max-body-bytes`` on a route whose bodies carry ``tensors``."""
+    is within ``--max-json-body-bytes``, or ``--max-body-bytes`` on a route whose bodies carry ``tensors``; a
+    ``fingerprinted`` route's handler also gets ``fingerprint=``, that of the body's bytes."""
 
     async def run(request: Request, tenant: str):
         if body_model is None:
             return await handler(request, tenant)
         require_media_type(request)
         limits = service_of(request).limits
-        body = await read_model(request, body_model, tensor_limit(limits) if tensors else json_limit(limits))
+        body, raw = await read_model_raw(request, body_model, tensor_limit(limits) if tensors else json_limit(limits))
+        if fingerprinted:
+            return await handler(request, tenant, body=body, fingerprint=api_endpoint.fingerprint(raw))
         return await handler(request, tenant, body=body)
 
     return api_endpoint.endpoint(run, tenant_of=_tenant, render_error=error_response, public=public)

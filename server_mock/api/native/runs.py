@@ -3,11 +3,9 @@ worker thread; its result's arrays are encoded back on the model's thread."""
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterator, Mapping
 
 import numpy as np
-from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.routing import Route
 
@@ -26,7 +24,7 @@ from pytrio_compat.wire import (
 from server_mock.api.native.endpoint import endpoint, service_of
 from server_mock.errors import bad_request
 from server_mock.service.ops import ForwardBatch
-from server_mock.service.runs import TrainingRun, wire_encoder
+from server_mock.service.runs import TrainingRun, register_front
 from server_mock.service.worker import WorkerService
 from server_mock.training import losses
 
@@ -39,11 +37,6 @@ def run_info(service: WorkerService, run: TrainingRun) -> TrainingRunInfo:
                                           max_seq_len=host.max_seq_len),
         last_seq_id=run.last_seq,
     )
-
-
-def op_digest(payload: BaseModel) -> str:
-    """The hash of an op's payload that tells a resent op (same hash) from a conflicting one."""
-    return hashlib.sha256(payload.model_dump_json().encode()).hexdigest()
 
 
 def wire_array(tensor: WireTensor, field_name: str) -> np.ndarray:
@@ -84,12 +77,22 @@ def forward_batch(op: ForwardOp) -> ForwardBatch:
                         backward=op.op == "forward_backward", loss_fn_config=op.loss_fn_config, images=images)
 
 
-@wire_encoder
 def encode_forward_result(result: dict) -> dict:
     """A forward result's arrays as wire tensors (on the model's thread, once)."""
     return {"loss_fn_outputs": [{k: WireTensor.from_array(v).model_dump() for k, v in o.items()}
                                 for o in result["loss_fn_outputs"]],
             "metrics": result["metrics"]}
+
+
+FORWARD = {"protocol": "native", "answer": "forward"}  # journaled with a forward op: its result is encoded
+ENCODE = {"forward": encode_forward_result}  # by answer kind, bound once: a renamed function changes nothing
+
+
+def encoder_for(front: dict):
+    return ENCODE.get(front.get("answer", ""))
+
+
+register_front("native", encoder_for)
 
 
 async def create_run(request: Request, tenant: str, body: CreateTrainingRun):
@@ -134,22 +137,22 @@ async def delete_run(request: Request, tenant: str):
     return {"deleted": True}
 
 
-async def submit_op(request: Request, tenant: str, body: TrainingOp):
+async def submit_op(request: Request, tenant: str, body: TrainingOp, fingerprint: str):
+    """An op of a run; ``fingerprint`` (its body's bytes) tells a resent op from a conflicting one."""
     service = service_of(request)
     payload = body.payload
     forward = isinstance(payload, ForwardOp)
 
-    def prepare(run: TrainingRun):  # in a worker thread: a forward op's digest, decoding and checks
-        digest = op_digest(payload)
+    def prepare(run: TrainingRun):  # in a worker thread: a forward op's decoding and checks
         if not forward:
-            return digest, payload
+            return fingerprint, payload
         try:
-            return digest, service.runs.prepare(run, forward_batch(payload))
+            return fingerprint, service.runs.prepare(run, forward_batch(payload))
         except Exception as exc:  # noqa: BLE001 - raised after the seq_id checks, as if prepared then
-            return digest, exc
+            return fingerprint, exc
 
     admission = await service.runs.submit_off_loop(request.path_params["run_id"], tenant, body.seq_id, prepare,
-                                                   encode=encode_forward_result if forward else None)
+                                                   front=FORWARD if forward else None)
     return Accepted(request_id=admission.request_id, duplicate=admission.duplicate)
 
 
@@ -158,5 +161,6 @@ ROUTES = [
     Route("/v1/training_runs", endpoint(list_runs), methods=["GET"]),
     Route("/v1/training_runs/{run_id}", endpoint(get_run), methods=["GET"]),
     Route("/v1/training_runs/{run_id}", endpoint(delete_run), methods=["DELETE"]),
-    Route("/v1/training_runs/{run_id}/ops", endpoint(submit_op, TrainingOp, tensors=True), methods=["POST"]),
+    Route("/v1/training_runs/{run_id}/ops", endpoint(submit_op, TrainingOp, tensors=True, fingerprinted=True),
+          methods=["POST"]),
 ]

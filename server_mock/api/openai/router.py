@@ -51,8 +51,7 @@ def error_body(exc: WorkerError) -> dict:
 
 
 def error_response(exc: WorkerError) -> JSONResponse:
-    headers = {"Retry-After": str(exc.retry_after)} if exc.status == 429 else None
-    return JSONResponse(error_body(exc), status_code=exc.status, headers=headers)
+    return JSONResponse(error_body(exc), status_code=exc.status)
 
 
 async def read_request(request: Request, limits, parse: Callable[[bytes], Generation]) -> Generation:

@@ -11,17 +11,17 @@ tokens and seed.
 from __future__ import annotations
 
 import asyncio
-from collections import OrderedDict
 
 from pytrio_compat.wire import CreateSampler, SampleRequest, WireImage, WireSamplingParams
 from server_mock.api.openai.protocol import Generation
 from server_mock.api.openai.render import Choice, finish
 from server_mock.engine.queue import job_result
 from server_mock.errors import WorkerError
+from server_mock.service.samplers import ReusedSamplers
 from server_mock.service.validation import describe_int
 from server_mock.service.worker import WorkerService
 
-MAX_CACHED_SAMPLERS = 4096
+SAMPLERS_PER_KEY = 16  # samplers kept for reuse per API key (one per model named), the least recently used out
 
 # native field -> OpenAI field, for the errors the service raises (``None``: the prompt's field)
 _PARAMS = {"prompt_tokens": None, "prompt_images": None, "num_samples": "n", "sampling_params.max_tokens": "max_tokens",
@@ -49,7 +49,7 @@ def openai_error(exc: WorkerError, prompt_field: str, max_tokens_field: str = "m
 class Generator:
     def __init__(self, service: WorkerService) -> None:
         self.service = service
-        self._samplers: OrderedDict[tuple[str, str], str] = OrderedDict()  # (tenant, model) -> sampler id
+        self._samplers = ReusedSamplers(service.samplers, SAMPLERS_PER_KEY)
 
     def served_models(self) -> list[str]:
         return [m.model_name for m in self.service.models.capabilities()]
@@ -64,23 +64,10 @@ class Generator:
             raise WorkerError(404, "model_not_found", f"model: {model!r} does not exist here: use one of the "
                                                       f"served models ({', '.join(self.served_models()) or 'none'}) "
                                                       "or a trio:// sampler checkpoint of yours (GET /models)", "model")
-        key = (tenant, model)
-        sampler_id = self._samplers.get(key)
-        sampler = None
-        if sampler_id is not None:
-            try:
-                sampler = self.service.samplers.get(sampler_id, tenant)
-            except WorkerError:
-                sampler = None  # evicted by newer samplers: make another
-        if sampler is None:
-            try:
-                sampler = await self.service.samplers.create(create, tenant)
-            except WorkerError as exc:
-                raise openai_error(exc, "model") from None
-            self._samplers[key] = sampler.sampler_id
-            while len(self._samplers) > MAX_CACHED_SAMPLERS:
-                self._samplers.popitem(last=False)
-        self._samplers.move_to_end(key)
+        try:
+            sampler = await self._samplers.get(create, tenant)
+        except WorkerError as exc:
+            raise openai_error(exc, "model") from None
         host = await self.service.models.host(sampler.base_model, "model")
         return sampler.sampler_id, host
 

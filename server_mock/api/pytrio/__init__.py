@@ -15,8 +15,6 @@ runs), control / runs / checkpoints / downloads (Control routes), actor / sampli
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import logging
 
 from starlette.requests import Request
@@ -34,7 +32,6 @@ from server_mock.service.worker import WorkerService
 
 logger = logging.getLogger("server_mock")
 
-SWEEP_SECONDS = 5.0
 OPENAPI = "/api/openapi/v1"
 ACTOR = runs.ACTOR_PREFIX + "/v1"
 ANY = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD"]
@@ -50,13 +47,15 @@ async def _unknown_actor(state, request: Request):
 
 
 class PytrioProtocol:
-    """The protocol's state, its routes, and the sweep that releases what expired."""
+    """The protocol as a front end (api/lifecycle.py): its state, its routes, its records taken up again at start,
+    and the sweep that releases what expired."""
+
+    name = "pytrio"
+    sweep_seconds = 5.0
 
     def __init__(self, service: WorkerService, auth: Auth, options: PytrioOptions | None = None,
                  links: SignedDownloads | None = None) -> None:
         self.state = PytrioState(service, options or PytrioOptions())
-        if service.journal is not None:  # --durability full: sessions, runs, tokens and events come back at start
-            service.recovery_hooks.append(functools.partial(restart.restore, self.state))
         self.auth = auth
         self.downloads = downloads.Downloads(service, links)
 
@@ -110,10 +109,9 @@ class PytrioProtocol:
         sampling = self.state.sampling.get(session.tenant, {})
         return [*session.training, *(sampling[c].sampler_id for c in session.sampling if c in sampling)]
 
-    async def sweep_forever(self) -> None:
-        while True:
-            await asyncio.sleep(SWEEP_SECONDS)
-            try:
-                await self.state.sweep()
-            except Exception:  # noqa: BLE001 - the next sweep tries again
-                logger.exception("pytrio: sweep failed")
+    async def restore(self) -> dict[str, int]:
+        """Sessions, runs, tokens and events, from the journal (``--durability full``)."""
+        return await restart.restore(self.state)
+
+    async def sweep(self) -> None:
+        await self.state.sweep()

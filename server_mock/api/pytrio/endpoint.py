@@ -56,6 +56,8 @@ def error_body(exc: WorkerError) -> dict:
 
 
 def control_error(exc: WorkerError) -> JSONResponse:
+    if exc.code == "too_many_adapters":  # the worker is full: the SDK waits on this code until a run is released
+        exc = WorkerError(429, CAPACITY, exc.message + "; the SDK retries until one is released", exc.field)
     status = exc.status
     if status == 429 and exc.code not in (CAPACITY, OVER_BUDGET):
         status = 409  # a per-key limit: final, with its flag named
@@ -66,29 +68,18 @@ def control_error(exc: WorkerError) -> JSONResponse:
 
 def actor_error(exc: WorkerError) -> JSONResponse:
     status = 400 if exc.status >= 500 and exc.status != 507 else exc.status
-    headers = {"Retry-After": str(exc.retry_after)} if status == 429 else None
-    return JSONResponse(error_body(exc), status_code=status, headers=headers)
-
-
-def carries_body(request: Request) -> bool:
-    """Whether a request has (or announces) a body, whose media type must then be checked; the SDK's bodyless
-    POSTs (renew) send no Content-Type."""
-    if request.method in ("GET", "HEAD", "OPTIONS", "DELETE"):
-        return False
-    headers = request.headers
-    if "content-type" in headers or "transfer-encoding" in headers:
-        return True
-    return headers.get("content-length", "0").strip() not in ("", "0")
+    return JSONResponse(error_body(exc), status_code=status)
 
 
 Handler = Callable[..., Awaitable[Any]]
+BODILESS = ("GET", "HEAD", "OPTIONS", "DELETE")  # the SDK's bodyless POSTs (renew) send no Content-Type
 
 
 def control_endpoint(handler: Handler, state, auth: Auth):
     """A Control route: the API key's tenant, a JSON body if any, ``handler(state, request, tenant)``."""
 
     async def run(request: Request, tenant: str):
-        if carries_body(request):
+        if api_endpoint.carries_body(request, BODILESS):
             require_media_type(request, (JSON,), f"the body of {request.method} {request.url.path}")
         return await handler(state, request, tenant)
 
@@ -99,7 +90,7 @@ def actor_endpoint(handler: Handler, state, media: tuple[str, ...] = (JSON,)):
     """An Actor route: ``handler(state, request)`` resolves the caller from its actor token itself."""
 
     async def run(request: Request, tenant: str):
-        if carries_body(request):
+        if api_endpoint.carries_body(request, BODILESS):
             require_media_type(request, media, f"the body of {request.method} {request.url.path}")
         return await handler(state, request)
 

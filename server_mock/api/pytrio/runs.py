@@ -19,7 +19,7 @@ from pytrio_compat.wire import CreateSampler, LoraSpec
 from server_mock.api.pytrio import control_wire as cw
 from server_mock.api.pytrio import models, training
 from server_mock.api.pytrio.control import page
-from server_mock.api.pytrio.endpoint import CAPACITY, read_model
+from server_mock.api.pytrio.endpoint import read_model
 from server_mock.api.pytrio.events import EventTable
 from server_mock.api.pytrio.state import PytrioState, SamplingRun, TrainingRun, model_cuid, workspace_of
 from server_mock.engine.requests import run_id
@@ -38,35 +38,14 @@ def jwt_out(token: str, expires: float) -> cw.ActorJwtOut:
 
 
 async def _checkpoint_meta(state: PytrioState, uri: str, tenant: str, field: str) -> dict:
-    def read() -> dict:
-        checkpoints = state.service.checkpoints
-        ref = checkpoints.owned_ref(uri, tenant, field)
-        if ref.kind != "state":
-            raise bad_request(field, f"{uri} holds sampler weights (save_weights); a training run starts from a "
-                                     "save_state checkpoint", code="invalid_checkpoint")
-        return checkpoints.store.read_meta(ref)
-
-    return await asyncio.to_thread(read)
-
-
-def _check_spec(state: PytrioState, spec: LoraSpec) -> None:
-    limit = state.service.limits.max_lora_rank
-    if not 1 <= spec.rank <= limit:
-        raise bad_request("lora_rank", f"must be in [1, {limit}] (limit --max-lora-rank), got {spec.rank}")
-    if not (spec.train_mlp or spec.train_attn or spec.train_unembed):
-        raise bad_request("train_mlp", "at least one of train_mlp, train_attn, train_unembed must be true")
+    return await asyncio.to_thread(state.service.checkpoints.state_meta, uri, tenant, field)
 
 
 def _check_room(state: PytrioState, tenant: str) -> None:
-    limits = state.service.limits
-    if state.count_training(tenant) >= limits.max_training_runs:
-        raise WorkerError(409, "too_many_training_runs",
-                          f"this API key has {limits.max_training_runs} training runs (limit --max-training-runs); "
-                          "end some ServiceClients (their runs are released) or raise the limit")
-    waiting = sum(1 for r in state.training.values() if r.init == "none")  # created, adapter not made yet
-    if len(state.service.runs) + waiting >= limits.max_adapters:
-        raise WorkerError(429, CAPACITY, f"the worker holds --max-adapters={limits.max_adapters} training runs; "
-                                         "the SDK retries until one is released")
+    """The service's run quotas, counting this protocol's runs whose adapters are made at their first event."""
+    waiting = [r for r in state.training.values() if r.init == "none"]  # created, adapter not made yet
+    state.service.runs.check_room(tenant, pending=sum(1 for r in waiting if r.tenant == tenant),
+                                  pending_all=len(waiting))
 
 
 def new_events(state: PytrioState, run: TrainingRun) -> EventTable:
@@ -91,7 +70,7 @@ async def create_training_run(state: PytrioState, request: Request, tenant: str)
         alias = models.resolve(state, body.base_model)
         spec = LoraSpec(rank=body.lora_rank, seed=body.seed, train_mlp=body.train_mlp, train_attn=body.train_attn,
                         train_unembed=body.train_unembed)
-    _check_spec(state, spec)
+    state.service.runs.check_spec(spec, rank_field="lora_rank", switches_field="train_mlp")
     _check_room(state, tenant)
     now = state.clock()
     run = TrainingRun(cuid=run_id("run"), tenant=tenant, session_cuid=session.cuid,
@@ -120,15 +99,7 @@ async def update_training_run(state: PytrioState, request: Request, tenant: str)
         raise WorkerError(409, "already_initialized", "training_run: load_state must come before the run's first "
                                                       "call; create a new training client instead")
     meta = await _checkpoint_meta(state, body.source_checkpoint_uri, tenant, "source_checkpoint_uri")
-    saved = LoraSpec.model_validate(meta["lora"])
-    differ = [f for f in ("rank", "train_mlp", "train_attn", "train_unembed")
-              if getattr(saved, f) != getattr(run.lora, f)]
-    if meta["base_model"] != run.alias:
-        differ.insert(0, "base_model")
-    if differ:
-        raise WorkerError(400, "checkpoint_config_mismatch", f"source_checkpoint_uri: the checkpoint differs from "
-                                                             f"this training run in: {', '.join(differ)}",
-                          "source_checkpoint_uri")
+    state.service.checkpoints.check_layout(meta, run.lora, run.alias, "source_checkpoint_uri")
     run.source_uri, run.restore_optimizer = body.source_checkpoint_uri, body.restore_optimizer
     token, expires = state.renew(run)
     return cw.TrainingRunUpdatedOut(source_checkpoint_uri=run.source_uri, restore_optimizer=run.restore_optimizer,

@@ -32,6 +32,7 @@ from server_mock.api.pytrio.kept_answers import KeptAnswers
 from server_mock.api.pytrio.tokens import ActorTokens
 from server_mock.config import PytrioOptions
 from server_mock.errors import WorkerError
+from server_mock.service.sessions import ClientSessions
 from server_mock.service.worker import WorkerService
 
 logger = logging.getLogger("server_mock")
@@ -95,6 +96,11 @@ class TemporaryWeights:
     expires: float
 
 
+def _unknown_session(cuid: str) -> WorkerError:
+    return WorkerError(404, "session_not_found", f"service_session: unknown service session {cuid!r} (it was closed, "
+                                                 "or the worker restarted)", "service_session_cuid")
+
+
 def workspace_of(tenant: str) -> str:
     return "ws_" + hashlib.sha256(tenant.encode()).hexdigest()[:16]
 
@@ -110,7 +116,10 @@ class PytrioState:
         self.clock = clock
         self.started = clock()
         self.tokens = ActorTokens(options.pytrio_token_ttl, clock)
-        self.sessions: dict[str, Session] = {}
+        self.sessions: ClientSessions[Session] = ClientSessions(
+            options.pytrio_max_sessions, options.pytrio_session_ttl, lambda: self.clock(), _unknown_session,
+            cap_flag="--pytrio-max-sessions", ttl_flag="--pytrio-session-ttl", noun="service sessions",
+            advice="end some ServiceClients")  # past the cap: 429, answered 409 by the Control plane
         self.training: dict[str, TrainingRun] = {}
         self.sampling: dict[str, OrderedDict[str, SamplingRun]] = {}  # tenant -> its runs, least recently used first
         self.temporary: dict[str, TemporaryWeights] = {}  # trio:// path -> expiry
@@ -134,28 +143,15 @@ class PytrioState:
     # --- sessions -------------------------------------------------------------------------------------------
 
     def new_session(self, tenant: str, sdk_version: str) -> Session:
-        owned = sum(1 for s in self.sessions.values() if s.tenant == tenant)
-        if owned >= self.options.pytrio_max_sessions:
-            raise WorkerError(409, "too_many_sessions",
-                              f"this API key has {owned} open service sessions (limit --pytrio-max-sessions="
-                              f"{self.options.pytrio_max_sessions}); end some ServiceClients, or wait for idle ones "
-                              f"to close after --pytrio-session-ttl={self.options.pytrio_session_ttl:g} s")
         now = self.clock()
         session = Session("ss_" + uuid.uuid4().hex[:20], tenant, sdk_version, now, now)
-        self.journal.session(session)
-        self.sessions[session.cuid] = session
-        return session
+        return self.sessions.open(session.cuid, session, record=self.journal.session)
 
     def session(self, cuid: str, tenant: str) -> Session:
-        session = self.sessions.get(cuid)
-        if session is None or session.tenant != tenant:
-            raise WorkerError(404, "session_not_found", f"service_session: unknown service session {cuid!r} (it was "
-                                                        "closed, or the worker restarted)", "service_session_cuid")
-        session.last_seen = self.clock()
-        return session
+        return self.sessions.lookup(cuid, tenant)
 
     def sessions_of(self, tenant: str) -> list[Session]:
-        return sorted((s for s in self.sessions.values() if s.tenant == tenant), key=lambda s: s.created)
+        return self.sessions.of(tenant)
 
     async def close_session(self, session: Session, status: str) -> None:
         """Release everything the session owns: training runs (their adapters), sampling runs, tokens and its
@@ -307,7 +303,7 @@ class PytrioState:
         for runs in list(self.sampling.values()):
             for run in [r for r in runs.values() if now - r.last_used > options.pytrio_sampling_run_ttl]:
                 self.release_sampling(run)
-        for session in [s for s in self.sessions.values() if now - s.last_seen > options.pytrio_session_ttl]:
+        for session in self.sessions.idle(now):
             logger.info("pytrio: closing service session %s, idle for %.0f s", session.cuid, now - session.last_seen)
             await self.close_session(session, "ENDED")
         for run in list(self.training.values()):

@@ -150,15 +150,7 @@ async def _init(state: PytrioState, run: TrainingRun, event: Event) -> None:
 def _check_layout(state: PytrioState, uri: str, tenant: str, spec: LoraSpec) -> None:
     """A checkpoint loaded at init must be a save_state one with the LoRA layout the client asked for."""
     checkpoints = state.service.checkpoints
-    ref = checkpoints.owned_ref(uri, tenant, "checkpoint_uri")
-    if ref.kind != "state":
-        raise WorkerError(400, "invalid_checkpoint", "checkpoint_uri: a training run loads a save_state checkpoint, "
-                                                     f"not sampler weights ({uri})", "checkpoint_uri")
-    saved = LoraSpec.model_validate(checkpoints.store.read_meta(ref)["lora"])
-    differ = [f for f in ("rank", "train_mlp", "train_attn", "train_unembed") if getattr(saved, f) != getattr(spec, f)]
-    if differ:
-        raise WorkerError(400, "checkpoint_config_mismatch", f"checkpoint_uri: {uri} has a different LoRA layout "
-                                                             f"({', '.join(differ)}) than lora_config", "lora_config")
+    checkpoints.check_layout(checkpoints.state_meta(uri, tenant, "checkpoint_uri"), spec, None, "lora_config")
 
 
 # --- forward / forward_backward -----------------------------------------------------------------------------------

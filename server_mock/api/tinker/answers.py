@@ -3,7 +3,8 @@ started again on the same storage makes the same answer from what the journal ke
 
 An op of a training model is accepted with its ``Answer`` (a kind and a few JSON parameters), which is journaled
 with the op; the heavy part, a forward result's protobuf, is encoded on the model's thread by ``encode_forward``
-(registered with ``wire_encoder``, so an op queued again after a restart is encoded the same way), and the rest is
+(what ``encoder_for`` gives for that journaled answer, so an op queued again after a restart is encoded the same
+way), and the rest is
 made from the service's result when the future is read. An answer that makes something (the sampler of
 ``save_weights_and_get_sampling_client``) gives it an id derived from the request's, so making it again gives
 the same one.
@@ -20,7 +21,7 @@ from pytrio_compat.wire import CreateSampler
 from server_mock.api.tinker.paths import tinker_metrics, to_tinker_path
 from server_mock.api.tinker.proto import encode as results
 from server_mock.errors import WorkerError
-from server_mock.service.runs import wire_encoder
+from server_mock.service.runs import register_front
 
 
 @dataclass(frozen=True)
@@ -41,13 +42,20 @@ def encode_forward_result(result: dict) -> bytes:
                                                   tinker_metrics(result.get("metrics", {})))
 
 
-@wire_encoder
 def encode_forward(result: dict) -> dict:
     """On the model's thread, once: a forward result as the ForwardBackwardOutput protobuf the client reads."""
     return {"tinker_protobuf": encode_forward_result(result)}
 
 
 ENCODERS: dict[str, Callable[[dict], dict]] = {"forward": encode_forward}  # model-thread encoders by answer kind
+
+
+def encoder_for(front: dict) -> Callable[[dict], dict] | None:
+    """The model-thread encoder of an op journaled with ``Answer.front``."""
+    return ENCODERS.get(front.get("answer", ""))
+
+
+register_front("tinker", encoder_for)
 
 
 def optim_metrics(result: dict) -> dict:

@@ -3,7 +3,6 @@ error answers in Tinker's shape."""
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -53,9 +52,8 @@ def error_response(exc: WorkerError) -> JSONResponse:
         status = 400
     elif status >= 500 and status != 507:
         status = 422
-    headers = {"Retry-After": str(exc.retry_after)} if status == 429 else None
     return JSONResponse({"detail": tinker_message(exc.message, exc.field), "code": exc.code, "field": exc.field},
-                        status_code=status, headers=headers)
+                        status_code=status)
 
 
 def endpoint(handler: Callable[..., Awaitable[Any]], state, auth: Auth, public: bool = False,
@@ -65,23 +63,12 @@ def endpoint(handler: Callable[..., Awaitable[Any]], state, auth: Auth, public: 
     what = f"the body of {handler.__name__}"
 
     async def run(request: Request, tenant: str):
-        if carries_body(request):
+        if api_endpoint.carries_body(request):
             require_media_type(request, media, what)
         return await handler(state, request, tenant)
 
     return api_endpoint.endpoint(run, tenant_of=lambda request: tenant_of(auth, request), render_error=error_response,
                                  public=public, protocol="tinker")
-
-
-def carries_body(request: Request) -> bool:
-    """Whether a request has (or announces) a body: one whose media type must then be checked. The
-    tinker client sends ``Content-Type: application/json`` even on its POSTs without a body."""
-    if request.method in ("GET", "HEAD", "OPTIONS"):
-        return False  # a body there means nothing to any route
-    headers = request.headers
-    if "content-type" in headers or "transfer-encoding" in headers:
-        return True
-    return headers.get("content-length", "0").strip() not in ("", "0")
 
 
 async def read_body(request: Request, limit: bodies.BodyLimit, json_values: bool = True) -> bytes:
@@ -92,11 +79,11 @@ async def read(request: Request, model: type[TinkerBody], limit: bodies.BodyLimi
     """The body (zstd allowed) validated into ``model`` (in a thread, within the parse budget, when large), and
     its size in bytes."""
     body, raw = await bodies.read_model_raw(request, model, limit, allow_zstd=True, parse=parse)
+    body.received(digest(raw))
     return body, len(raw)
 
 
-def digest(raw: bytes) -> str:
-    return hashlib.sha256(raw).hexdigest()
+digest = api_endpoint.fingerprint  # a re-sent request's body has the same bytes
 
 
 async def read_json(request: Request, limit: bodies.BodyLimit) -> dict:

@@ -24,12 +24,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from server_mock.api.long_polls import held_poll
+from server_mock.api.bodies import first_error
 from server_mock.api.tinker import schemas
 from server_mock.api.tinker.endpoint import PROTOBUF, read
 from server_mock.api.tinker.paths import tinker_message
 from server_mock.api.tinker.proto.decode import ProtoError
 from server_mock.engine.queue import SERVER_ERROR_CODES
-from server_mock.engine.requests import approx_bytes
+from server_mock.engine.requests import FinishedResults, approx_bytes
 from server_mock.errors import WorkerError
 
 logger = logging.getLogger("server_mock")
@@ -60,7 +61,7 @@ def to_failure(exc: BaseException) -> TinkerFailure:
         failure.message = tinker_message(failure.message, exc.field)
         return failure
     if isinstance(exc, ValidationError):
-        first = exc.errors()[0]
+        first = first_error(exc)
         loc = ".".join(str(p) for p in first.get("loc", ()))
         return TinkerFailure(f"{loc or 'request'}: {first.get('msg', 'invalid')}", "user")
     if isinstance(exc, ProtoError):
@@ -108,8 +109,7 @@ class Futures:
         self.max_bytes = max_bytes
         self._items: dict[str, Future] = {}
         self._by_tenant: dict[str, OrderedDict[str, None]] = {}
-        self._finished: dict[str, OrderedDict[str, None]] = {}  # per tenant, in the order they finished
-        self._held: dict[str, int] = {}  # bytes of each tenant's finished futures
+        self._results = FinishedResults(ttl, max_bytes)  # the finished ones, per tenant: their bytes and age
         self._next_sweep = 0.0
 
     @staticmethod
@@ -169,18 +169,22 @@ class Futures:
         return future
 
     def held_bytes(self, tenant: str) -> int:
-        return self._held.get(tenant, 0)
+        return self._results.held_bytes(tenant)
+
+    def why_gone(self, request_id: str, tenant: str) -> str:
+        """Why an unknown future of ``tenant`` may be unknown, for the 404."""
+        if self._results.dropped_for_bytes(request_id, tenant):
+            return (f"dropped: this API key's finished results held more than max_result_bytes={self.max_bytes} "
+                    "bytes, and the oldest go first")
+        return f"expired after {self.ttl:g} s, or the worker restarted"
 
     def _done(self, future: Future) -> None:
         if self._items.get(future.request_id) is not future:
             return  # forgotten (or replaced) before it finished
         future.finished = _now()
         future.size = _result_bytes(future.task)
-        done = self._finished.setdefault(future.tenant, OrderedDict())
-        done[future.request_id] = None
-        self._held[future.tenant] = self._held.get(future.tenant, 0) + future.size
-        while self._held[future.tenant] > self.max_bytes and len(done) > 1:
-            self._forget(next(iter(done)))
+        for oldest in self._results.add(future.tenant, future.request_id, future.size, future.finished):
+            self._forget(oldest)
 
     def _forget(self, request_id: str) -> None:
         future = self._items.pop(request_id, None)
@@ -191,15 +195,7 @@ class Futures:
             mine.pop(request_id, None)
             if not mine:
                 del self._by_tenant[future.tenant]
-        done = self._finished.get(future.tenant)
-        if done is not None and request_id in done:
-            del done[request_id]
-            left = self._held.get(future.tenant, 0) - future.size
-            if done:
-                self._held[future.tenant] = left
-            else:
-                del self._finished[future.tenant]
-                self._held.pop(future.tenant, None)
+        self._results.remove(future.tenant, request_id)
 
     def _sweep(self) -> None:
         """Forget expired futures, at most every ttl/2 seconds (each lookup checks its own future's age too)."""
@@ -207,10 +203,8 @@ class Futures:
         if now < self._next_sweep:
             return
         self._next_sweep = now + max(0.05, self.ttl / 2)
-        cutoff = now - self.ttl
-        for done in list(self._finished.values()):
-            for request_id in [r for r in done if self._items[r].finished < cutoff]:
-                self._forget(request_id)
+        for _, request_id in self._results.expired(now):
+            self._forget(request_id)
 
 
 def _now() -> float:
@@ -242,9 +236,8 @@ async def retrieve_future(state, request: Request, tenant: str):
                                                           "worker restarted and was not recorded; send it again",
                           "request_id")
     if future is None:
-        raise WorkerError(404, "request_not_found", f"request_id: unknown request {request_id[:80]!r} (expired after "
-                                                    f"{state.futures.ttl:g} s, dropped for the key's result bytes, "
-                                                    "or the worker restarted)", "request_id")
+        raise WorkerError(404, "request_not_found", f"request_id: unknown request {request_id[:80]!r} "
+                                                    f"({state.futures.why_gone(request_id, tenant)})", "request_id")
     if future.wanted is not None:
         future.wanted.set()
     # one of the tenant's few held polls (api/long_polls.py): ended early, it answers try_again like a timeout

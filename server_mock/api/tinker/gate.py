@@ -17,7 +17,6 @@ interval, not seq_id by seq_id.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
@@ -25,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from server_mock.api.tinker.holding import HeldBytes, Slim
-from server_mock.errors import WorkerError
+from server_mock.errors import WorkerError, raising
 
 logger = logging.getLogger("server_mock")
 
@@ -185,7 +184,7 @@ class SeqGate:
         try:
             waiting.submit = await asyncio.to_thread(waiting.prepare)
         except Exception as exc:  # noqa: BLE001 - the request's own future carries the error
-            waiting.submit = functools.partial(_raise_now, exc)
+            waiting.submit = raising(exc)
         waiting.prepare = None
         self._preparing = None
         self._drain()
@@ -215,7 +214,3 @@ class SeqGate:
         self._skipped.append((self.next, first))
         self.next = first
         self._drain()
-
-
-def _raise_now(exc: BaseException):
-    raise exc

@@ -16,6 +16,7 @@ from typing import Annotated, Any
 
 from pydantic import StringConstraints, TypeAdapter, ValidationError
 
+from server_mock.api.bodies import first_error
 from server_mock.errors import bad_request
 from server_mock.storage.checkpoints import CheckpointRef, expires_at
 
@@ -41,7 +42,7 @@ def user_metadata(value: Any, field_name: str = "user_metadata") -> dict[str, st
     try:
         labels = _METADATA.validate_python(value)
     except ValidationError as exc:
-        first = exc.errors()[0]
+        first = first_error(exc)
         where = ".".join(str(p) for p in first.get("loc", ()))
         raise bad_request(field_name + (f".{where}" if where else ""), first.get("msg", "invalid")) from None
     if len(labels) > MAX_METADATA_KEYS:

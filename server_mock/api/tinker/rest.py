@@ -17,6 +17,7 @@ from typing import Literal
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
 
+from server_mock.api.bodies import first_error
 from server_mock.api.tinker import records
 from server_mock.api.tinker.endpoint import read_json
 from server_mock.api.tinker.state import TinkerState
@@ -73,7 +74,7 @@ def _parse(model: type[BaseModel], data: dict, where: str = "query"):
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        first = exc.errors()[0]
+        first = first_error(exc)
         loc = ".".join(str(p) for p in first.get("loc", ())) or where
         raise bad_request(loc, first.get("msg", "invalid")) from None
 

@@ -17,6 +17,8 @@ plumbing, paths the tinker:// names. The bounds are listed in docs/reliability.m
 from __future__ import annotations
 
 import functools
+import time
+from collections.abc import Callable
 
 from starlette.requests import Request
 from starlette.routing import Route
@@ -28,9 +30,10 @@ from server_mock.api.tinker.export import Export
 from server_mock.api.tinker.futures import retrieve_future
 from server_mock.api.tinker.paths import tinker_message, tinker_metrics, to_tinker_path, to_trio_path
 from server_mock.api.tinker.state import TinkerState
+from server_mock.config import TinkerOptions
 from server_mock.errors import WorkerError
 
-__all__ = ["tinker_routes", "tinker_message", "tinker_metrics", "to_tinker_path", "to_trio_path"]
+__all__ = ["TinkerProtocol", "tinker_message", "tinker_metrics", "to_tinker_path", "to_trio_path"]
 
 
 async def unsupported(state: TinkerState, request: Request, tenant: str):
@@ -46,12 +49,33 @@ def _session_scopes(state: TinkerState, session_id: str) -> list[str] | None:
     return [*(state.models[m].run_id for m in session.model_ids if m in state.models), *session.sampler_ids]
 
 
-def tinker_routes(service, auth, downloads: Downloads | None = None) -> list[Route]:
-    state = TinkerState(service)
-    if service.journal is not None:  # --durability full: sessions, models, gates and futures come back at start
-        service.recovery_hooks.append(functools.partial(restart.restore, state))
-    service.usage.traces.sessions.append(functools.partial(_session_scopes, state))  # the operator's traces
-    downloads = downloads or Downloads(service.limits.download_url_seconds)
+class TinkerProtocol:
+    """The protocol as a front end (api/lifecycle.py): its state, its routes, its records taken up again at start,
+    and the sweep that finishes the sessions whose client went away."""
+
+    name = "tinker"
+    sweep_seconds = 5.0  # how often sessions without heartbeats are looked for (they expire after their TTL)
+
+    def __init__(self, service, auth, downloads: Downloads | None = None, options: TinkerOptions | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.state = TinkerState(service, options, clock)
+        service.usage.traces.sessions.append(functools.partial(_session_scopes, self.state))  # operator's traces
+        self.auth = auth
+        self.downloads = downloads or Downloads(service.limits.download_url_seconds)
+
+    def routes(self) -> list[Route]:
+        return _routes(self.state, self.auth, self.downloads)
+
+    async def restore(self) -> dict[str, int]:
+        """Sessions, models, gates and futures, from the journal (``--durability full``)."""
+        return await restart.restore(self.state)
+
+    async def sweep(self) -> None:
+        """Finish the sessions idle past --tinker-session-ttl, by the clock: no client request is needed."""
+        await self.state.expire()
+
+
+def _routes(state: TinkerState, auth, downloads: Downloads) -> list[Route]:
     downloads.recognize(lambda request: tenant_of(auth, request))
     export = Export(state, downloads)
     checkpoint = "/training_runs/{run}/checkpoints"

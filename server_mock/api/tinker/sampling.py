@@ -3,7 +3,7 @@ protobuf ``SampleResponse``, encoded in a thread).
 
 An ``asample`` that names no sampling session (the older addressing, by ``base_model`` or
 ``model_path``) reuses one sampler per (API key, base model, weights path), the most recent
-``IMPLICIT_SAMPLERS_PER_TENANT`` of them per key, instead of making a sampler per request.
+``--tinker-implicit-samplers`` of them per key, instead of making a sampler per request.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from starlette.requests import Request
 
 from pytrio_compat.wire import ImageChunk
 from pytrio_compat.wire import CreateSampler, SampleRequest, WireImage, WireSamplingParams
+from server_mock.api.bodies import first_error
 from server_mock.api.tinker import provenance, schemas
 from server_mock.api.tinker.answers import sample_answer
 from server_mock.api.tinker.endpoint import read
@@ -117,7 +118,7 @@ def _image_chunk(chunk: schemas.Chunk, position: int, where: str) -> WireImage:
     try:
         image = ImageChunk(data=chunk.data, format=chunk.format, expected_tokens=chunk.expected_tokens)
     except ValidationError as exc:
-        problem = exc.errors()[0]
+        problem = first_error(exc)
         name = ".".join(str(p) for p in problem["loc"]) or "data"
         raise bad_request(f"{where}.{name}", problem["msg"], code="invalid_image") from None
     return WireImage(position=position, chunk=image)
@@ -127,12 +128,7 @@ async def _sampler_for(state: TinkerState, body: schemas.Asample, tenant: str) -
     """The sampler an asample runs on, and whether it is one of the shared implicit ones."""
     if body.sampling_session_id is not None:
         return body.sampling_session_id, False
-    create = _create_body(body)
-    known = state.implicit_sampler(tenant, create.base_model, create.model_path)
-    if known is None:
-        known = (await state.service.samplers.create(create, tenant)).sampler_id
-        state.keep_implicit_sampler(tenant, create.base_model, create.model_path, known)
-    return known, True
+    return (await state.implicit.get(_create_body(body), tenant)).sampler_id, True
 
 
 async def asample(state: TinkerState, request: Request, tenant: str):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, PrivateAttr, StrictBool, StrictInt, StrictStr
 from pydantic import ValidationError as PydanticValidationError
 
 from pytrio_compat.wire import MAX_ITEMS, MAX_KEYS, MAX_TOKENS, AdamParams, bounded_dict, bounded_list
@@ -23,10 +23,16 @@ from server_mock.errors import WorkerError, bad_request
 
 class TinkerBody(BaseModel):
     model_config = ConfigDict(extra="ignore", protected_namespaces=())
+    _fingerprint: str | None = PrivateAttr(default=None)
+
+    def received(self, fingerprint: str) -> None:
+        """The fingerprint of the bytes this body was read from (``api.endpoint.fingerprint``)."""
+        self._fingerprint = fingerprint
 
     def digest(self) -> str:
-        """What tells a re-sent request (the same digest) from a different one under the same id."""
-        return hashlib.sha256(self.model_dump_json().encode()).hexdigest()
+        """What tells a re-sent request (the same digest) from a different one under the same id: the fingerprint of
+        its bytes as received (a body made here, not read, hashes its JSON)."""
+        return self._fingerprint or hashlib.sha256(self.model_dump_json().encode()).hexdigest()
 
 
 # --- sessions and training models ---------------------------------------------------------------------------

@@ -3,7 +3,6 @@ capabilities, ``create_model`` and ``get_info``. Each handler is ``(state, reque
 
 from __future__ import annotations
 
-import time
 import uuid
 
 from starlette.requests import Request
@@ -40,7 +39,7 @@ async def heartbeat(state: TinkerState, request: Request, tenant: str):
     session = state.sessions.get(body.session_id) if body.session_id is not None else None
     if session is None or session.tenant != tenant:  # 410 tells the client to stop sending heartbeats
         raise WorkerError(410, "session_expired", "session_id: this session has finished or expired")
-    session.last_seen = time.time()
+    session.last_seen = state.clock()
     return {"type": "session_heartbeat"}
 
 

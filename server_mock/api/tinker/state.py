@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from server_mock.api.bodies import json_limit, tensor_limit
@@ -21,21 +22,17 @@ from server_mock.api.tinker.futures import Futures
 from server_mock.api.tinker.gate import SeqGate
 from server_mock.api.tinker.holding import HeldBytes
 from server_mock.api.tinker.proto.decode import ElementBudget
+from server_mock.config import TinkerOptions
 from server_mock.errors import WorkerError
 from server_mock.service.quotas import TenantLRU
+from server_mock.service.samplers import ReusedSamplers
+from server_mock.service.sessions import ClientSessions
 from server_mock.service.worker import WorkerService
 
 logger = logging.getLogger("server_mock")
 
-SESSION_TIMEOUT_SECONDS = 1800.0  # a session without heartbeats this long is finished (its models deleted)
-MAX_SESSIONS_PER_TENANT = 256
-MAX_CREATIONS_PER_SESSION = 1024  # training models and sampling sessions, each
-MAX_SEQ_AHEAD = 1024  # how far past the next expected seq_id of a model a request may be
-WAITING_BYTES_PER_SESSION_BODIES = 4  # out-of-order requests of a session hold at most 4 x max_body_bytes
-WAITING_BYTES_PER_WORKER_BODIES = 16  # and of the whole worker at most 16 x max_body_bytes
+# the other bounds are flags (config.TinkerOptions: sessions, idle timeout, seq_id look-ahead, waiting bytes)
 ELEMENTS_PER_TOKEN = 8  # a forward_backward request's tensors may declare 8 x max_tokens_per_request elements
-IMPLICIT_SAMPLERS_PER_TENANT = 16  # samplers kept for asample calls that name no sampling session
-MAX_SAMPLE_IDS = 20_000  # (sampler, seq_id) pairs remembered per API key to answer re-sent asample requests
 
 
 @dataclass
@@ -65,9 +62,17 @@ class TinkerModel:
     last_request: float = field(default_factory=time.time)
 
 
+def _unknown_session(session_id: str) -> WorkerError:
+    return WorkerError(404, "session_not_found", f"session_id: unknown session {session_id!r} (the worker may have "
+                                                 "restarted)", "session_id")
+
+
 class TinkerState:
-    def __init__(self, service: WorkerService) -> None:
+    def __init__(self, service: WorkerService, options: TinkerOptions | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
         self.service = service
+        self.options = options = options or TinkerOptions()
+        self.clock = clock  # when a session was last seen, and when it expires
         limits = service.limits
         self.json_limit = json_limit(limits)  # every JSON body
         self.tensor_limit = tensor_limit(limits)  # forward_backward's protobuf body
@@ -75,15 +80,19 @@ class TinkerState:
         self.futures = Futures(ttl=service.requests.result_ttl, max_bytes=limits.max_result_bytes,
                                durable=journal is not None)
         self.journal = TinkerJournal(journal)
-        self.held = HeldBytes(WAITING_BYTES_PER_SESSION_BODIES * limits.max_body_bytes,
-                              WAITING_BYTES_PER_WORKER_BODIES * limits.max_body_bytes)
-        self.sessions: dict[str, Session] = {}
+        self.held = HeldBytes(options.tinker_waiting_bodies_per_session * limits.max_body_bytes,
+                              options.tinker_waiting_bodies * limits.max_body_bytes)
+        self.sessions: ClientSessions[Session] = ClientSessions(
+            options.tinker_max_sessions, options.tinker_session_ttl, lambda: self.clock(), _unknown_session,
+            cap_flag="--tinker-max-sessions", ttl_flag="--tinker-session-ttl",
+            advice="close some (ServiceClient.close)")
         self.models: dict[str, TinkerModel] = {}
         self.creations: dict[tuple[str, int], tuple[str, str]] = {}  # (session, model_seq_id) -> (request, model)
         self.sampling_sessions: dict[tuple[str, int], str] = {}  # (session, sampling_session_seq_id) -> sampler
         # "sampler:seq_id" -> (request id, sequence ids, body digest), to answer re-sent asample requests; per tenant
-        self.samples: TenantLRU[tuple[str, list[str], str]] = TenantLRU(MAX_SAMPLE_IDS)
-        self.implicit_samplers: dict[str, OrderedDict[tuple[str | None, str | None], str]] = {}
+        self.samples: TenantLRU[tuple[str, list[str], str]] = TenantLRU(options.tinker_sample_ids)
+        # samplers for asample calls that name no sampling session, the most recent per key
+        self.implicit = ReusedSamplers(service.samplers, options.tinker_implicit_samplers)
         self.sampler_sessions: dict[str, str] = {}  # sampler id -> the session it was made in (provenance scope)
 
     def element_budget(self) -> ElementBudget:
@@ -95,32 +104,22 @@ class TinkerState:
     # -- sessions and models ---------------------------------------------------------------------------
 
     def new_session(self, session_id: str, tenant: str) -> Session:
-        owned = sum(1 for s in self.sessions.values() if s.tenant == tenant)
-        if owned >= MAX_SESSIONS_PER_TENANT:
-            raise WorkerError(429, "too_many_sessions",
-                              f"this API key has {owned} open sessions (limit max_sessions={MAX_SESSIONS_PER_TENANT}"
-                              "); close some (ServiceClient.close) or wait for idle ones to expire")
-        session = Session(session_id, tenant)
-        self.sessions[session_id] = session
-        return session
+        now = self.clock()
+        return self.sessions.open(session_id, Session(session_id, tenant, created=now, last_seen=now))
 
     def record_session(self, session: Session) -> None:
         """Before the client gets the session's id (``--durability full``)."""
         self.journal.session_created(session)
 
     def session(self, session_id: str, tenant: str) -> Session:
-        session = self.sessions.get(session_id)
-        if session is None or session.tenant != tenant:
-            raise WorkerError(404, "session_not_found", f"session_id: unknown session {session_id!r} "
-                                                        "(the worker may have restarted)", "session_id")
-        session.last_seen = time.time()
-        return session
+        return self.sessions.lookup(session_id, tenant)
 
     def count_creation(self, session: Session, what: str) -> None:
-        if session.creations >= MAX_CREATIONS_PER_SESSION:
+        if session.creations >= self.options.tinker_max_creations:
             raise WorkerError(429, "too_many_creations",
                               f"{what}: this session already created {session.creations} models and sampling "
-                              f"sessions (limit {MAX_CREATIONS_PER_SESSION}); start a new session", what)
+                              f"sessions (limit {self.options.tinker_max_creations}, --tinker-max-creations); start "
+                              "a new session", what)
         session.creations += 1
 
     def model(self, model_id: str, tenant: str) -> TinkerModel:
@@ -139,7 +138,7 @@ class TinkerState:
         if self.sessions.get(session.session_id) is not session:  # it finished while the model was made
             await self._delete_run(run_id, session.tenant)
             raise WorkerError(404, "session_not_found", f"session_id: session {session.session_id!r} has finished")
-        gate = SeqGate(max_ahead=MAX_SEQ_AHEAD, held=self.held, owner=session.session_id)
+        gate = SeqGate(max_ahead=self.options.tinker_max_seq_ahead, held=self.held, owner=session.session_id)
         model = TinkerModel(model_id, run_id, session.tenant, session.session_id, base_model, gate, user_metadata)
         if created_by is not None:
             self.journal.model_registered(model, *created_by)
@@ -165,11 +164,11 @@ class TinkerState:
         self.service.stability.drop_scope(session.tenant, session.session_id)
 
     async def expire(self) -> None:
-        """Finish the sessions whose client stopped sending heartbeats (every 10 s while it runs)."""
-        cutoff = time.time() - SESSION_TIMEOUT_SECONDS
-        for session in [s for s in self.sessions.values() if s.last_seen < cutoff]:
+        """Finish the sessions whose client stopped sending heartbeats (every 10 s while it runs) for longer than
+        --tinker-session-ttl: their training models are deleted, which frees their --max-adapters slots."""
+        for session in self.sessions.idle():
             logger.info("tinker: session %s sent no heartbeat for %.0fs; finishing it", session.session_id,
-                        SESSION_TIMEOUT_SECONDS)
+                        self.sessions.ttl)
             await self.finish(session)
 
     async def _delete_run(self, run_id: str, tenant: str) -> None:
@@ -187,26 +186,3 @@ class TinkerState:
         while len(session.sampler_ids) > self.service.limits.max_samplers:
             old, _ = session.sampler_ids.popitem(last=False)
             self.sampler_sessions.pop(old, None)
-
-    # -- samplers for asample without a sampling session -----------------------------------------------
-
-    def implicit_sampler(self, tenant: str, base_model: str | None, model_path: str | None) -> str | None:
-        """The sampler this tenant already has for these weights, if the service still holds it."""
-        cache = self.implicit_samplers.get(tenant)
-        sampler_id = cache.get((base_model, model_path)) if cache else None
-        if sampler_id is None:
-            return None
-        try:
-            self.service.samplers.get(sampler_id, tenant)
-        except WorkerError:
-            del cache[(base_model, model_path)]
-            return None
-        cache.move_to_end((base_model, model_path))
-        return sampler_id
-
-    def keep_implicit_sampler(self, tenant: str, base_model: str | None, model_path: str | None,
-                              sampler_id: str) -> None:
-        cache = self.implicit_samplers.setdefault(tenant, OrderedDict())
-        cache[(base_model, model_path)] = sampler_id
-        while len(cache) > IMPLICIT_SAMPLERS_PER_TENANT:
-            cache.popitem(last=False)

@@ -15,13 +15,13 @@ from starlette.requests import Request
 
 from server_mock.api import bodies
 from server_mock.api.tinker import schemas
-from server_mock.api.tinker.answers import ENCODERS, Answer, converter
+from server_mock.api.tinker.answers import Answer, converter
 from server_mock.api.tinker.endpoint import digest, read_body
 from server_mock.api.tinker.futures import raise_
 from server_mock.api.tinker.holding import Slim
 from server_mock.api.tinker.state import TinkerModel, TinkerState
 from server_mock.engine.queue import job_result
-from server_mock.errors import WorkerError, bad_request
+from server_mock.errors import WorkerError, bad_request, raising
 
 
 def submit_op(state: TinkerState, model: TinkerModel, tenant: str, payload, body_digest: str,
@@ -39,7 +39,6 @@ def submit_op(state: TinkerState, model: TinkerModel, tenant: str, payload, body
     try:
         work = payload() if callable(payload) else payload
         admission = state.service.runs.submit(model.run_id, work, tenant, seq_id=None, body_hash=body_digest,
-                                              encode=ENCODERS.get(answer.kind) if answer else None,
                                               request_id=request_id if answer else None, front=front)
     except WorkerError as exc:
         if exc.status == 429:
@@ -91,11 +90,7 @@ async def read_op(state: TinkerState, request: Request, tenant: str, model: type
             try:
                 envelope = await bodies.parse_raw(request, schemas.ModelOp, raw, state.json_limit, schemas.parse)
                 target = state.model(envelope.model_id, tenant)
-                gated(state, tenant, target, envelope.seq_id, digest(raw), lambda: raise_now(refusal), None, 0)
+                gated(state, tenant, target, envelope.seq_id, digest(raw), raising(refusal), None, 0)
             except WorkerError:
                 pass  # nothing to use up
         raise
-
-
-def raise_now(exc: BaseException):
-    raise exc

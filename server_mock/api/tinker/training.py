@@ -23,8 +23,8 @@ from server_mock.api.tinker.endpoint import digest, read_body
 from server_mock.api.tinker.proto import decode as proto
 from server_mock.api.tinker.proto.bounds import TooManyFields, count_fields
 from server_mock.api.tinker.state import TinkerModel, TinkerState
-from server_mock.api.tinker.submit import gated, raise_now, read_op
-from server_mock.errors import WorkerError, bad_request
+from server_mock.api.tinker.submit import gated, read_op
+from server_mock.errors import WorkerError, bad_request, raising
 from server_mock.service.ops import DATUM_OVERHEAD_BYTES, ForwardBatch, PreparedOp
 
 # --- forward_backward ---------------------------------------------------------------------------------
@@ -119,7 +119,7 @@ async def forward_backward(state: TinkerState, request: Request, tenant: str):
     # back waiting for it, and the request itself is answered with the reason.
     code = "request_too_large" if error.status == 413 else "invalid_protobuf"
     refusal = WorkerError(error.status, code, str(error), error.field)
-    gated(state, tenant, model, decoded.seq_id, decoded.digest, lambda: raise_now(refusal), None, 0)
+    gated(state, tenant, model, decoded.seq_id, decoded.digest, raising(refusal), None, 0)
     raise refusal
 
 
