@@ -200,7 +200,7 @@ class Limits:
     max_long_polls_per_tenant: int = setting(256, "long polls one API key may hold open at once (Tinker "
                                                   "retrieve_future, native wait=, PyTRIO Prefer: wait=); its next "
                                                   "one ends its oldest at once with the protocol's 'not ready, poll "
-                                                  "again' answer", minimum=1, why="a count of polls", group="bodies")
+                                                  "again' answer", minimum=1, why="a count of polls", group="tenants")
     max_result_bytes: int = setting(1 << 30, "bytes of finished results (native requests, Tinker futures; PyTRIO "
                                              "event and sample answers counted apart) kept for polling per API key; "
                                              "past it its oldest are dropped", minimum=1,
