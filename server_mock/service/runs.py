@@ -354,6 +354,7 @@ class Runs:
         self.budgets.take(tenant, prepared.tokens)  # 429 + Retry-After past the key's tokens a minute
         job = self.requests.new_job(prepared.kind, prepared.work, tenant, request_id=request_id)
         job.encode, job.tokens, job.scope = encode, prepared.tokens, run.run_id
+        job.open_steps = prepared.steps
         if self.journal is not None:
             record = None if prepared.record is None else {**prepared.record, "encode": _encoder_name(encode)}
             try:
