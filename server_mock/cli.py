@@ -60,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "in the process list: prefer --api-key-file or PYTRIO_WORKER_API_KEYS (comma-separated)")
     serve.add_argument("--api-key-file", action="append", default=[], metavar="PATH",
                        help="a file of accepted API keys, one per line ('#' starts a comment; after a key, "
-                            "tokens_per_minute=N sets its own token budget); repeatable")
+                            "tokens_per_minute=N sets its own token budget, weight=W its share of the model while "
+                            "several keys wait, default 1); repeatable")
     serve.add_argument("--admin-key-file", action="append", default=[], metavar="PATH",
                        help="a file of operator keys, one per line: they read /metrics, the /console and traces, and "
                             "are refused on tenant routes (also PYTRIO_WORKER_ADMIN_KEYS, comma-separated); "
@@ -129,7 +130,7 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def read_key_file(path: str, flag: str = "--api-key-file") -> list[tuple[str, dict[str, int]]]:
+def read_key_file(path: str, flag: str = "--api-key-file") -> list[tuple[str, dict[str, float]]]:
     """The keys in a file with their settings (``api.auth.parse_key_lines``). Exits naming the file if it cannot be
     read; warns if other users may read it."""
     from server_mock.api.auth import parse_key_lines
@@ -164,12 +165,14 @@ def check_limits(limits: Limits) -> str | None:
 
 def serve(args: argparse.Namespace) -> None:
     keys = list(args.api_key) + [k for k in os.environ.get("PYTRIO_WORKER_API_KEYS", "").split(",") if k]
-    key_budgets = {}  # key -> its own tokens_per_minute
+    key_budgets, key_weights = {}, {}  # key -> its own tokens_per_minute, its weight in the fair share
     for path in args.api_key_file:
         for key, settings in read_key_file(path):
             keys.append(key)
             if "tokens_per_minute" in settings:
                 key_budgets[key] = settings["tokens_per_minute"]
+            if "weight" in settings:
+                key_weights[key] = settings["weight"]
     admin_keys = [k for k in os.environ.get("PYTRIO_WORKER_ADMIN_KEYS", "").split(",") if k]
     for path in args.admin_key_file:
         admin_keys += [key for key, _ in read_key_file(path, "--admin-key-file")]
@@ -237,6 +240,8 @@ def serve(args: argparse.Namespace) -> None:
 
     for key, budget in key_budgets.items():
         service.budgets.set(tenant_id(key), budget)
+    for key, weight in key_weights.items():
+        service.models.weights[tenant_id(key)] = weight
     app = create_app(service, keys, bind_host=args.host, allowed_hosts=args.allowed_host,
                      pytrio_options=pytrio_options, admin_keys=admin_keys)
     sock = listening_socket(args.host, args.port)
