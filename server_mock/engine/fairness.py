@@ -24,12 +24,14 @@ import re
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
-# Per-token model time on the worker's CPU, relative to one prefill token (docs/operations.md, "Fair scheduling"):
-# a trained token runs forward and backward (about 2.3x its forward time), a decoded token is one step of a batch
-# whose weights are read for few rows (about 3.4x a prompt token, prefilled many at a time).
-TRAIN_PRICE = 2.3
+# Per-token model time on the worker's CPU, relative to one prefill token (docs/operations.md, "Fair scheduling";
+# benchmarks/fairness.py --prices on a SmolLM2-135M-shaped model): a trained token runs forward and backward (the
+# backward of a LoRA run computes input gradients and the small adapter's: measured 2.0-2.5x its forward); a
+# decoded token is one row of a decode step (measured 2.0x at 16 rows, 7.0x at 4: the rows of a step share one
+# read of the weights), priced for the batches RL sampling runs (a group of 8-16 samples and more).
+TRAIN_PRICE = 2.0
 PREFILL_PRICE = 1.0
-DECODE_PRICE = 3.4
+DECODE_PRICE = 2.0
 MAX_WEIGHT = 1000.0  # a key's weight=W: 0 < W <= MAX_WEIGHT
 FORWARD_KINDS = {"forward_backward": "train", "forward": "prefill"}
 _NUMBER = re.compile(r"\d+(\.\d+)?")
