@@ -81,6 +81,11 @@ class FairShare:
         """The tenant whose turn it is, of ``candidates`` (the backlogged tenants, longest waiting first)."""
         return min(candidates, key=lambda owner: self.counters.get(owner, 0.0))  # min keeps the first of ties
 
+    def yields(self, running: str, waiting: list[str]) -> bool:
+        """Whether ``running``'s slice should give way now to one of ``waiting``: one has a smaller counter."""
+        mine = self.counters.get(running, 0.0)
+        return any(self.counters.get(o, 0.0) < mine for o in waiting)
+
     def activate(self, owner: str, backlogged: Iterable[str]) -> None:
         """``owner`` has work again while ``backlogged`` (the others) already had: lift its counter."""
         others = [self.counters.get(o, 0.0) for o in backlogged if o != owner]
@@ -116,3 +121,6 @@ class RoundRobin(FairShare):
 
     def pick(self, candidates: list[str]) -> str:
         return candidates[0]
+
+    def yields(self, running: str, waiting: list[str]) -> bool:
+        return False  # a slice runs its full time

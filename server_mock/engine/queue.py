@@ -19,6 +19,9 @@ from server_mock.engine.fairness import FairShare
 from server_mock.errors import WorkerError, storage_error
 
 logger = logging.getLogger("server_mock")
+# the least a slice runs before the policy may hand the turn to an owner served less (so that two owners with
+# work do not change places at every decode step or micro-batch); past ``slice_seconds`` any waiting owner's turn
+MIN_TURN_SECONDS = 0.05
 
 
 @dataclass
@@ -397,21 +400,28 @@ class ModelQueue:
     def _slice(self, session: _Session) -> None:
         """Decode the session, admitting jobs for its weights as they arrive, until it ends or its slice is over
         and another owner waits for a turn."""
-        deadline = time.monotonic() + self.slice_seconds
+        started = time.monotonic()
         seen = 0  # queued jobs for these weights that did not fit at the last admission
 
         def arrivals() -> bool:
             return self._keys_queued.get(session.key, 0) > seen and session.decoding.can_add()
 
         def turn_over() -> bool:
-            return time.monotonic() >= deadline and self._others_wait(session.owner)
+            return self._turn_over(session.owner, started)
 
-        steps = 0
+        stepped = False  # whether a decode step ran since the last stop() (asked before every step)
 
-        def stop() -> bool:  # asked before every decode step
-            nonlocal steps
-            steps += 1
-            return arrivals() or turn_over()
+        def charge_step() -> None:
+            """The step that ran: each row decoded about one token (a request's exact cost is set at its end)."""
+            for job in list(session.jobs.values()):
+                self._charge(job, self.policy.prices.decode * job.rows)
+
+        def stop() -> bool:
+            nonlocal stepped
+            if stepped:
+                charge_step()  # charged as it runs, so that the policy sees who is being served now
+            stepped = not (arrivals() or turn_over())
+            return not stepped
 
         while True:
             if arrivals():
@@ -419,7 +429,7 @@ class ModelQueue:
                     self._add(session, job)
             seen = self._keys_queued.get(session.key, 0)
             self.observer.batch(list(session.jobs.values()))
-            steps = 0
+            stepped = False
             try:
                 finished = session.decoding.run(stop)
             except Exception as exc:  # noqa: BLE001 - the batch is unusable: each of its jobs runs again alone
@@ -429,8 +439,8 @@ class ModelQueue:
                 for job in session.jobs.values():
                     self._execute(job)
                 return
-            for job in session.jobs.values():  # each of its rows decoded about one token a step (set right at its end)
-                self._charge(job, self.policy.prices.decode * job.rows * steps)
+            if stepped:  # the last step, after which the batch returned (a request finished, or none is left)
+                charge_step()
             if finished:
                 seen = 0  # the budget they held is free: jobs that did not fit may fit now
             for handle, result in finished:
@@ -452,10 +462,19 @@ class ModelQueue:
                 if not self._lanes.get(session.owner, True):
                     self._drop_lane(session.owner)
 
-    def _others_wait(self, owner: str) -> bool:
-        """Whether another owner has work (or the queue is stopping): a slice past its time yields then."""
+    def _turn_over(self, owner: str, started: float) -> bool:
+        """Whether a slice that began at ``started`` yields now: when another owner has work (or the queue is
+        stopping) and either the slice has run ``slice_seconds``, or it has run ``MIN_TURN_SECONDS`` and the
+        policy says another's turn is due (one of them has been served less: a tenant back from idle, lifted to
+        this one's counter, waits for a few steps, not a whole slice)."""
+        ran = time.monotonic() - started
+        if ran < min(self.slice_seconds, MIN_TURN_SECONDS):
+            return False
         with self._cond:
-            return self._stopped or any(o != owner and self._ready(o) for o in self._lanes)
+            waiting = [o for o in self._lanes if o != owner and self._ready(o)]
+            if self._stopped:
+                return True
+            return bool(waiting) and (ran >= self.slice_seconds or self.policy.yields(owner, waiting))
 
     # --- jobs in slices -----------------------------------------------------------------------------------
 
@@ -475,7 +494,7 @@ class ModelQueue:
     def _step(self, session: _Steps) -> None:
         """Run the job's parts until it ends, or its slice is over and another owner waits for a turn."""
         job = session.job
-        deadline = time.monotonic() + self.slice_seconds
+        started = time.monotonic()
         while True:
             try:
                 tokens = next(session.steps)
@@ -489,7 +508,7 @@ class ModelQueue:
                 self._fail(job, exc)
                 return
             self._charge(job, self.policy.prices.of_forward(job.kind, tokens))
-            if time.monotonic() >= deadline and self._others_wait(session.owner):
+            if self._turn_over(session.owner, started):
                 return
 
     def _end_steps(self, session: _Steps) -> None:

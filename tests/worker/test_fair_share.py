@@ -202,3 +202,39 @@ def test_weight_bounds(value, ok):
     else:
         with pytest.raises(ValueError, match="keys line 1: weight must be a number > 0 and <= 1000"):
             parse_weight(value, "keys line 1")
+
+
+def test_a_slice_gives_way_early_to_a_key_served_less(setup):
+    """A job in parts holds the model for its slice only while it is the least served: a key that arrives (lifted
+    to its counter) gets the turn once it has been served more, long before the slice's time is up."""
+    s = setup()
+    s.queue.slice_seconds = 60.0  # only the policy can end A's slice early
+    parts_done = []
+
+    def parts():
+        for i in range(200):
+            time.sleep(0.005)
+            parts_done.append(i)
+            yield 10
+        s.order.append("A-long")
+        return {}
+
+    long = s.job("A", "A-long", tokens=2000)
+    long.open_steps = parts
+    s.put(long)
+    deadline = time.monotonic() + 20
+    while len(parts_done) < 3:
+        assert time.monotonic() < deadline
+        time.sleep(0.002)
+    s.put(s.job("B", "B0", tokens=10))
+    s.wait_for(2)
+    assert s.order == ["B0", "A-long"]
+    assert s.queue.fairness()["A"]["served_cost"] == 2000  # its parts, as they ran: 200 x 10 tokens
+
+
+def test_round_robin_slices_run_their_time():
+    assert RoundRobin().yields("A", ["B"]) is False
+    policy = FairShare()
+    policy.charge("A", 5.0)
+    assert policy.yields("A", ["B"]) is True
+    assert policy.yields("B", ["A"]) is False
