@@ -155,14 +155,20 @@ async def _scenario(service: WorkerService, kind: str, args) -> dict:
     probe = Tenant("probe", probe_submit, pause=args.probe_every)
     # the two phases interleaved round by round, so that the load of a shared machine hits them alike
     phases = {"before": (RoundRobin, False), "after": (FairShare, True)}
+    if args.unsliced_too:  # the fair share with forward ops in one go: what the slicing itself costs
+        phases["after, unsliced"] = (FairShare, False)
     parts: dict[str, list[dict]] = {label: [] for label in phases}
     for _ in range(args.rounds):
         for label, (policy, sliced) in phases.items():
             parts[label].append(await _phase(service, [heavy, light, probe], policy(), sliced, args.warmup,
                                              args.seconds / args.rounds, args.in_flight))
     before, after = _summary(parts["before"]), _summary(parts["after"])
-    return {"scenario": kind, "shape": shape, "before": before, "after": after,
-            "cost_per_s_after_over_before": after["cost_per_s"] / before["cost_per_s"]}
+    out = {"scenario": kind, "shape": shape, "before": before, "after": after,
+           "cost_per_s_after_over_before": after["cost_per_s"] / before["cost_per_s"]}
+    if args.unsliced_too:
+        out["after, unsliced"] = unsliced = _summary(parts["after, unsliced"])
+        out["cost_per_s_unsliced_over_before"] = unsliced["cost_per_s"] / before["cost_per_s"]
+    return out
 
 
 async def _prices(service: WorkerService, args) -> dict:
@@ -262,6 +268,8 @@ def main() -> None:
     parser.add_argument("--slice", type=float, default=0.5, help="decode slice seconds")
     parser.add_argument("--probe-every", type=float, default=0.3, help="seconds between the probe key's requests")
     parser.add_argument("--prices", action="store_true", help="measure the per-token prices first")
+    parser.add_argument("--unsliced-too", action="store_true",
+                        help="also the fair share with forward ops in one go (what slicing costs)")
     parser.add_argument("--price-rounds", type=int, default=5)
     parser.add_argument("--model", help="a model folder, or smollm2-shape (SmolLM2-135M's shape, random weights; "
                                         "default: the tiny random model)")
