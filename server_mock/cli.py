@@ -130,7 +130,8 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def read_key_file(path: str, flag: str = "--api-key-file") -> list[tuple[str, dict[str, float]]]:
+def read_key_file(path: str, flag: str = "--api-key-file",
+                  settings_allowed: bool = True) -> list[tuple[str, dict[str, float]]]:
     """The keys in a file with their settings (``api.auth.parse_key_lines``). Exits naming the file if it cannot be
     read; warns if other users may read it."""
     from server_mock.api.auth import parse_key_lines
@@ -138,7 +139,7 @@ def read_key_file(path: str, flag: str = "--api-key-file") -> list[tuple[str, di
     try:
         text = Path(path).read_text()
         mode = os.stat(path).st_mode
-        keys = parse_key_lines(text, f"{flag} {path}")
+        keys = parse_key_lines(text, f"{flag} {path}", settings_allowed)
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         sys.exit(f"{flag} {path}: {exc}" if not isinstance(exc, ValueError) else str(exc))
     if mode & 0o077:
@@ -175,7 +176,7 @@ def serve(args: argparse.Namespace) -> None:
                 key_weights[key] = settings["weight"]
     admin_keys = [k for k in os.environ.get("PYTRIO_WORKER_ADMIN_KEYS", "").split(",") if k]
     for path in args.admin_key_file:
-        admin_keys += [key for key, _ in read_key_file(path, "--admin-key-file")]
+        admin_keys += [key for key, _ in read_key_file(path, "--admin-key-file", settings_allowed=False)]
     if set(keys) & set(admin_keys):
         sys.exit("a key is both an API key and an admin key: an operator key must not be a tenant's key")
     if not _is_loopback(args.host) and not keys and not args.insecure:

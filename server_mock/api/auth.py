@@ -83,11 +83,12 @@ class Auth:
                                                "Authorization: Bearer KEY)")
 
 
-def parse_key_lines(text: str, where: str) -> list[tuple[str, dict[str, float]]]:
+def parse_key_lines(text: str, where: str, settings_allowed: bool = True) -> list[tuple[str, dict[str, float]]]:
     """A keys file: one key per line, ``#`` starts a comment, blank lines skipped; after the key, optional
     ``name=value`` settings separated by spaces (``tokens_per_minute=N``: this key's own token budget;
     ``weight=W``: its share of the model while several keys wait, engine/fairness.py). Raises ``ValueError``
-    naming the line of a setting it does not know or a value out of bounds (never the key)."""
+    naming the line of a setting it does not know or a value out of bounds (never the key); without
+    ``settings_allowed`` (an admin keys file: its keys are no tenants) any setting is refused."""
     out = []
     for number, line in enumerate(text.splitlines(), 1):
         fields = line.split("#", 1)[0].split()
@@ -95,6 +96,9 @@ def parse_key_lines(text: str, where: str) -> list[tuple[str, dict[str, float]]]
             continue
         key, settings = fields[0], {}
         for item in fields[1:]:
+            if not settings_allowed:
+                raise ValueError(f"{where} line {number}: only a key may stand on a line of this file (settings "
+                                 "such as tokens_per_minute=N and weight=W belong to API keys; a key holds no spaces)")
             name, sep, value = item.partition("=")
             if name == "weight" and sep:
                 settings[name] = parse_weight(value, f"{where} line {number}")

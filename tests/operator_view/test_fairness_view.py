@@ -76,3 +76,6 @@ def test_the_keys_file_takes_a_weight_within_bounds():
         with pytest.raises(ValueError, match=r"keys line 1: weight must be a number > 0 and <= 1000") as refused:
             parse_key_lines(f"secret-key {bad}\n", "keys")
         assert "secret-key" not in str(refused.value)
+    with pytest.raises(ValueError, match="admins line 1: only a key may stand") as refused:
+        parse_key_lines("ops-key weight=2\n", "admins", settings_allowed=False)
+    assert "ops-key" not in str(refused.value)
