@@ -37,7 +37,7 @@ import torch  # noqa: E402
 from benchmarks.common import save  # noqa: E402
 from pytrio_compat.wire import CreateSampler, CreateTrainingRun, LoraSpec, SampleRequest  # noqa: E402
 from pytrio_compat.wire import WireSamplingParams  # noqa: E402
-from server_mock.config import Limits, TrainOptions  # noqa: E402
+from server_mock.config import Limits, StorageOptions, TrainOptions  # noqa: E402
 from server_mock.engine.fairness import FairShare, RoundRobin  # noqa: E402
 from server_mock.engine.queue import job_result  # noqa: E402
 from server_mock.service.ops import ForwardBatch  # noqa: E402
@@ -239,8 +239,9 @@ async def main_async(args) -> dict:
         model = str(make_tiny_model(Path(tempfile.mkdtemp()) / "tiny"))
     limits = Limits(decode_slice_seconds=args.slice)
     service = WorkerService({"m": model}, tempfile.mkdtemp(), "cpu", torch.float32, limits=limits,
-                            train_options=TrainOptions(micro_batch_tokens=args.micro_batch_tokens))
-    out = {"model": args.model or "tiny (random weights)", "slice_s": args.slice}
+                            train_options=TrainOptions(micro_batch_tokens=args.micro_batch_tokens),
+                            storage_options=StorageOptions(durability=args.durability))
+    out = {"model": args.model or "tiny (random weights)", "slice_s": args.slice, "durability": args.durability}
     try:
         await service.models.host("m")
         if args.prices:
@@ -275,6 +276,8 @@ def main() -> None:
                                         "default: the tiny random model)")
     parser.add_argument("--out", default="fairness", help="results/<OUT>.json")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--durability", choices=["full", "checkpoint-only"], default="full",
+                        help="the worker's --durability (full: every op journaled, as served by default)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     out = asyncio.run(main_async(args))
