@@ -77,7 +77,8 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def read_key_file(path: str, flag: str = "--api-key-file") -> list[tuple[str, dict[str, int]]]:
+def read_key_file(path: str, flag: str = "--api-key-file",
+                  settings_allowed: bool = True) -> list[tuple[str, dict[str, float]]]:
     """The keys in a file with their settings (``api.auth.parse_key_lines``). Exits naming the file if it cannot be
     read; warns if other users may read it."""
     from server_mock.api.auth import parse_key_lines
@@ -85,7 +86,7 @@ def read_key_file(path: str, flag: str = "--api-key-file") -> list[tuple[str, di
     try:
         text = Path(path).read_text()
         mode = os.stat(path).st_mode
-        keys = parse_key_lines(text, f"{flag} {path}")
+        keys = parse_key_lines(text, f"{flag} {path}", settings_allowed)
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         sys.exit(f"{flag} {path}: {exc}" if not isinstance(exc, ValueError) else str(exc))
     if mode & 0o077:
@@ -115,15 +116,17 @@ def check_limits(limits: Limits) -> str | None:
 
 def serve(args: argparse.Namespace) -> None:
     keys = list(args.api_key) + [k for k in os.environ.get("PYTRIO_WORKER_API_KEYS", "").split(",") if k]
-    key_budgets = {}  # key -> its own tokens_per_minute
+    key_budgets, key_weights = {}, {}  # key -> its own tokens_per_minute, its weight in the fair share
     for path in args.api_key_file:
         for key, settings in read_key_file(path):
             keys.append(key)
             if "tokens_per_minute" in settings:
                 key_budgets[key] = settings["tokens_per_minute"]
+            if "weight" in settings:
+                key_weights[key] = settings["weight"]
     admin_keys = [k for k in os.environ.get("PYTRIO_WORKER_ADMIN_KEYS", "").split(",") if k]
     for path in args.admin_key_file:
-        admin_keys += [key for key, _ in read_key_file(path, "--admin-key-file")]
+        admin_keys += [key for key, _ in read_key_file(path, "--admin-key-file", settings_allowed=False)]
     if set(keys) & set(admin_keys):
         sys.exit("a key is both an API key and an admin key: an operator key must not be a tenant's key")
     if not _is_loopback(args.host) and not keys and not args.insecure:
@@ -190,6 +193,8 @@ def serve(args: argparse.Namespace) -> None:
 
     for key, budget in key_budgets.items():
         service.budgets.set(tenant_id(key), budget)
+    for key, weight in key_weights.items():
+        service.models.weights[tenant_id(key)] = weight
     app = create_app(service, keys, bind_host=args.host, allowed_hosts=args.allowed_host,
                      pytrio_options=pytrio_options, tinker_options=tinker_options, admin_keys=admin_keys)
     sock = listening_socket(args.host, args.port)

@@ -82,7 +82,8 @@ class ServeOptions:
                                 "user in the process list: prefer --api-key-file or PYTRIO_WORKER_API_KEYS "
                                 "(comma-separated)", metavar="KEY")
     api_key_file: list = setting([], "a file of accepted API keys, one per line ('#' starts a comment; after a key, "
-                                     "tokens_per_minute=N sets its own token budget); repeatable", metavar="PATH")
+                                     "tokens_per_minute=N sets its own token budget, weight=W its share of the "
+                                     "model while several keys wait, default 1); repeatable", metavar="PATH")
     admin_key_file: list = setting([], "a file of operator keys, one per line: they read /metrics, the /console and "
                                        "traces, and are refused on tenant routes (also PYTRIO_WORKER_ADMIN_KEYS, "
                                        "comma-separated); without one, those routes answer 404 (docs/operations.md)",

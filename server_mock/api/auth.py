@@ -10,6 +10,7 @@ from collections.abc import Iterable, Mapping
 
 from starlette.requests import Request
 
+from server_mock.engine.fairness import parse_weight
 from server_mock.errors import WorkerError
 
 ADMIN_HEADER = "x-admin-key"  # the console sends the operator's key here (a bearer token works too)
@@ -82,10 +83,12 @@ class Auth:
                                                "Authorization: Bearer KEY)")
 
 
-def parse_key_lines(text: str, where: str) -> list[tuple[str, dict[str, int]]]:
+def parse_key_lines(text: str, where: str, settings_allowed: bool = True) -> list[tuple[str, dict[str, float]]]:
     """A keys file: one key per line, ``#`` starts a comment, blank lines skipped; after the key, optional
-    ``name=value`` settings separated by spaces (``tokens_per_minute=N``: this key's own token budget). Raises
-    ``ValueError`` naming the line of a setting it does not know (never the key)."""
+    ``name=value`` settings separated by spaces (``tokens_per_minute=N``: this key's own token budget;
+    ``weight=W``: its share of the model while several keys wait, engine/fairness.py). Raises ``ValueError``
+    naming the line of a setting it does not know or a value out of bounds (never the key); without
+    ``settings_allowed`` (an admin keys file: its keys are no tenants) any setting is refused."""
     out = []
     for number, line in enumerate(text.splitlines(), 1):
         fields = line.split("#", 1)[0].split()
@@ -93,13 +96,19 @@ def parse_key_lines(text: str, where: str) -> list[tuple[str, dict[str, int]]]:
             continue
         key, settings = fields[0], {}
         for item in fields[1:]:
+            if not settings_allowed:
+                raise ValueError(f"{where} line {number}: only a key may stand on a line of this file (settings "
+                                 "such as tokens_per_minute=N and weight=W belong to API keys; a key holds no spaces)")
             name, sep, value = item.partition("=")
+            if name == "weight" and sep:
+                settings[name] = parse_weight(value, f"{where} line {number}")
+                continue
             if name not in KEY_SETTINGS or not sep or not value.isdigit():  # not echoed: it may be part of a key
-                raise ValueError(f"{where} line {number}: after the key, only {', '.join(KEY_SETTINGS)}=N "
-                                 "settings may follow, separated by spaces (a key holds no spaces)")
+                raise ValueError(f"{where} line {number}: after the key, only {', '.join(KEY_SETTINGS)}=N and "
+                                 "weight=W settings may follow, separated by spaces (a key holds no spaces)")
             settings[name] = int(value)
         out.append((key, settings))
     return out
 
 
-KEY_SETTINGS = ("tokens_per_minute",)
+KEY_SETTINGS = ("tokens_per_minute",)  # integer settings; ``weight`` is a number (engine/fairness.py)

@@ -11,6 +11,7 @@ import hashlib
 import logging
 import secrets
 import time
+from collections.abc import Generator
 from functools import partial
 
 import numpy as np
@@ -31,7 +32,7 @@ from server_mock.lora import Adapter, Snapshot, align_adapter_keys, linear_group
 from server_mock.sampling.generate import generate_batch
 from server_mock.sampling.static_steps import StaticSteps
 from server_mock.training import adamw, prefix_cache, prefix_sharing
-from server_mock.training.forward_backward import TrainModel, run_forward_backward, token_logprobs
+from server_mock.training.forward_backward import TrainModel, forward_backward_steps, token_logprobs
 
 logger = logging.getLogger("server_mock")
 
@@ -150,6 +151,20 @@ class LocalModelHost(ModelFacts):
         If anything fails midway, the gradients accumulated before this call are restored, so a failed
         request leaves the adapter exactly as it was.
         """
+        steps = self.forward_backward_steps(adapter, data, loss_fn, config, backward, loss_scale)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as end:
+                return end.value
+
+    def forward_backward_steps(self, adapter: Adapter, data: list[dict[str, np.ndarray]], loss_fn: str,
+                               config: dict[str, float], backward: bool,
+                               loss_scale: float = 1.0) -> Generator[int, None, dict]:
+        """``forward_backward`` in parts (training/forward_backward.py ``forward_backward_steps``): yields the datum
+        tokens of each part, and makes the adapter active again before the next, since other runs' work may run
+        in between. A failure, or the generator closed before its end, restores the gradients of before the call.
+        """
         self._activate(adapter)
         saved = {n: (p.grad.clone() if p.grad is not None else None) for n, p in adapter.params.items()}
         model = TrainModel(partial(self.logits, self.peft), self.model.config, self.cache_kwarg, self.device,
@@ -157,8 +172,15 @@ class LocalModelHost(ModelFacts):
                            self.options.prefix_share_min_tokens if self.prefix_sharing else 0,
                            reference_logits=partial(self.logits, _BaseOnly(self.peft)),
                            vision=self.vision, image_inputs=batch_image_inputs)
+        steps = forward_backward_steps(model, data, loss_fn, config, backward, loss_scale)
         try:
-            return run_forward_backward(model, data, loss_fn, config, backward, loss_scale)
+            while True:
+                try:
+                    tokens = next(steps)
+                except StopIteration as end:
+                    return end.value
+                yield tokens
+                self._activate(adapter)
         except BaseException:
             for name, param in adapter.params.items():
                 param.grad = saved[name]

@@ -11,13 +11,17 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 import torch
 
+from server_mock.engine.fairness import FairShare
 from server_mock.errors import WorkerError, storage_error
 
 logger = logging.getLogger("server_mock")
+# the least a slice runs before the policy may hand the turn to an owner served less (so that two owners with
+# work do not change places at every decode step or micro-batch); past ``slice_seconds`` any waiting owner's turn
+MIN_TURN_SECONDS = 0.05
 
 
 @dataclass
@@ -52,6 +56,11 @@ class Job:
     # a forward op's datum tokens, a sample's prompt + num_samples x max_tokens; the scope of its trace).
     tokens: int = 0
     scope: str = ""
+    # Where the work can pause between micro-batches: makes a generator that does the work, yielding the tokens
+    # of each part it ran and returning the result (None: ``fn`` runs it in one go). The queue runs it in slices.
+    open_steps: Callable[[], Iterator[int]] | None = None
+    rows: int = 1  # rows of a sample request (num_samples): decode tokens per step, for the fair-share estimate
+    charged: float = 0.0  # the cost charged to the owner so far (engine/fairness.py)
 
 
 class Decoding(Protocol):
@@ -98,6 +107,15 @@ class _Unobserved:
 
 
 @dataclass
+class _Steps:
+    """A job that runs in slices (``Job.open_steps``): resumed at its owner's turn, before the owner's next job."""
+
+    owner: str
+    job: Job
+    steps: Iterator[int]
+
+
+@dataclass
 class _Session:
     """A decode batch in progress: whose turn resumes it, its weights, and its jobs by handle."""
 
@@ -125,20 +143,32 @@ class ModelQueue:
     queued while it decodes joins it at its next step (continuous admission, within the token budget). So a
     tenant waits for at most one slice of another's long decode, not for all of it; each job's result is
     delivered as soon as its own rows end.
+
+    A job that can pause between its parts (``Job.open_steps``: a long forward/backward, paused between
+    micro-batches) runs the same way: for ``slice_seconds`` at a time when other owners wait, resumed at its
+    owner's next turn. Its result is that of running it in one go, bit for bit: nothing else touches its run.
+
+    Whose turn it is, of the owners with work, is the ``policy``'s choice (engine/fairness.py): by default the
+    owner served the least cost (weighted), ties to the one that waited longest; the queue charges it the cost
+    of what it runs (forward tokens when a forward op or part of one runs, decode tokens step by step, a
+    sample's exact prompt and output tokens when it ends).
     """
 
     def __init__(self, name: str, loop: asyncio.AbstractEventLoop, batch_token_budget: int = 65536,
                  batch_window: float = 0.005, slice_seconds: float = 0.5,
-                 observer: QueueObserver | None = None) -> None:
+                 observer: QueueObserver | None = None, policy: FairShare | None = None) -> None:
         self.name = name
         self.observer = observer or _Unobserved()
+        self.policy = policy or FairShare()
         self.loop = loop
         self.batch_token_budget = batch_token_budget
         self.batch_window = batch_window  # a short wait lets requests sent together arrive together
         self.slice_seconds = slice_seconds
+        self.slice_jobs = True  # False: a job that could run in slices runs in one go (``Job.fn``)
         self._lanes: collections.OrderedDict[str, collections.deque[Job]] = collections.OrderedDict()
         self._served: str | None = None  # the lane served last: it rejoins the rotation behind new arrivals
         self._sessions: dict[str, _Session] = {}  # by owner: a decode batch to resume at the owner's turn
+        self._stepping: dict[str, _Steps] = {}  # by owner: a job running in slices, to resume at its turn
         self._keys_queued: collections.Counter[str] = collections.Counter()  # queued jobs by batch key
         self._cond = threading.Condition()
         self._stopped = False
@@ -147,6 +177,8 @@ class ModelQueue:
 
     def put(self, job: Job) -> None:
         with self._cond:
+            if not self._ready(job.owner):  # newly backlogged: no credit for the time it was idle
+                self.policy.activate(job.owner, [o for o in self._lanes if self._ready(o)])
             lane = self._lanes.get(job.owner)
             if lane is None:
                 lane = self._lanes[job.owner] = collections.deque()
@@ -156,16 +188,36 @@ class ModelQueue:
             self._cond.notify()
 
     def position(self, request_id: str) -> int | None:
-        """How many queued jobs will be taken before this one (in turn order), None if not queued. A decode
-        session waiting for its owner's turn counts as one job ahead of the owner's lane."""
+        """How many queued jobs will be taken before this one, None if not queued: the policy's turns played
+        forward on a copy of its books, each job charged what it is expected to cost. A session waiting for its
+        owner's turn (a decode batch, a job running in slices) counts as one job ahead of the owner's lane."""
         with self._cond:
-            lanes = [([None] if owner in self._sessions else []) + list(lane) for owner, lane in self._rotation()]
-            for index, lane in enumerate(lanes):
-                for depth, job in enumerate(lane):
-                    if job is not None and job.request_id == request_id:
-                        before = sum(min(len(other), depth) for other in lanes)
-                        return before + sum(1 for other in lanes[:index] if len(other) > depth)
-        return None
+            lanes = {owner: collections.deque(([None] if self._held(owner) else []) + list(lane))
+                     for owner, lane in self._rotation()}
+            if not any(job is not None and job.request_id == request_id for lane in lanes.values() for job in lane):
+                return None
+            policy, rotation, taken = self.policy.copy(), list(lanes), 0
+            while True:
+                owner = policy.pick([o for o in rotation if lanes[o]])
+                job = lanes[owner].popleft()
+                if job is not None and job.request_id == request_id:
+                    return taken
+                taken += 1
+                if job is not None:
+                    policy.charge(owner, self._expected_cost(job))
+                rotation.remove(owner)
+                rotation.append(owner)
+
+    def _expected_cost(self, job: Job) -> float:
+        """What a queued job should cost: a forward op its datum tokens; a sample its reservation, as decode."""
+        if job.kind == "sample":
+            return self.policy.prices.of_sample(0, job.tokens or job.batch_cost)
+        return self.policy.prices.of_forward(job.kind, job.tokens)
+
+    def fairness(self) -> dict[str, dict[str, float]]:
+        """The policy's books per owner (counter, served cost, weight): the metrics and the operator's view."""
+        with self._cond:
+            return self.policy.books()
 
     def depth(self) -> int:
         with self._cond:
@@ -181,8 +233,23 @@ class ModelQueue:
             self._stopped = True
             self._cond.notify()
 
+    def _held(self, owner: str) -> bool:
+        """Whether the owner has work in progress to resume at its turn (a decode batch, a sliced job)."""
+        return owner in self._sessions or owner in self._stepping
+
     def _ready(self, owner: str) -> bool:
-        return owner in self._sessions or bool(self._lanes.get(owner))
+        return self._held(owner) or bool(self._lanes.get(owner))
+
+    def _drop_lane(self, owner: str) -> None:
+        """The owner has nothing left (no queued job, nothing in progress): its backlog ends."""
+        del self._lanes[owner]
+        self.policy.deactivate(owner)
+
+    def _charge(self, job: Job, cost: float) -> None:
+        if cost:
+            with self._cond:
+                self.policy.charge(job.owner, cost)
+            job.charged += cost
 
     def _rotation(self) -> list[tuple[str, collections.deque[Job]]]:
         """The owners with work, in the order they will be served (the last-served one last). An owner with a
@@ -195,8 +262,8 @@ class ModelQueue:
     def _pop(self, owner: str, job: Job) -> None:
         lane = self._lanes[owner]
         lane.remove(job)
-        if not lane and owner not in self._sessions:
-            del self._lanes[owner]
+        if not lane and not self._held(owner):
+            self._drop_lane(owner)
         if job.batch_key is not None:
             self._keys_queued[job.batch_key] -= 1
 
@@ -209,9 +276,9 @@ class ModelQueue:
                 return None
             if self._served in self._lanes:
                 self._lanes.move_to_end(self._served)  # behind every lane that waited meanwhile
-            owner = next(owner for owner in self._lanes if self._ready(owner))
+            owner = self.policy.pick([owner for owner in self._lanes if self._ready(owner)])
             self._served = owner
-            if owner in self._sessions:
+            if self._held(owner):
                 return owner, None
             head = self._lanes[owner][0]
             self._pop(owner, head)
@@ -236,7 +303,13 @@ class ModelQueue:
                 return
             owner, head = turn
             if head is None:
-                self._slice(self._sessions[owner])
+                if owner in self._stepping:
+                    self._step(self._stepping[owner])
+                else:
+                    self._slice(self._sessions[owner])
+                continue
+            if head.open_steps is not None and self.slice_jobs:
+                self._begin_steps(owner, head)
                 continue
             if head.batch_key is None:
                 self._start([head])
@@ -289,7 +362,12 @@ class ModelQueue:
         self.observer.started(jobs)
 
     def _encoded(self, job: Job, result: dict) -> dict:
-        """The job's result in its submitter's wire form (the observer sees it as computed, once)."""
+        """The job's result in its submitter's wire form (the observer sees it as computed, once). A sample's
+        exact cost is known now: what was charged for it step by step is set right."""
+        if job.kind == "sample":
+            cost = self.policy.prices.of_sample(int(result.get("input_tokens", 0) or 0),
+                                                int(result.get("output_tokens", 0) or 0))
+            self._charge(job, cost - job.charged)
         self.observer.computed(job, result)
         return job.encode(result) if job.encode is not None else result
 
@@ -322,17 +400,28 @@ class ModelQueue:
     def _slice(self, session: _Session) -> None:
         """Decode the session, admitting jobs for its weights as they arrive, until it ends or its slice is over
         and another owner waits for a turn."""
-        deadline = time.monotonic() + self.slice_seconds
+        started = time.monotonic()
         seen = 0  # queued jobs for these weights that did not fit at the last admission
 
         def arrivals() -> bool:
             return self._keys_queued.get(session.key, 0) > seen and session.decoding.can_add()
 
         def turn_over() -> bool:
-            if time.monotonic() < deadline:
-                return False
-            with self._cond:
-                return self._stopped or any(o != session.owner and self._ready(o) for o in self._lanes)
+            return self._turn_over(session.owner, started)
+
+        stepped = False  # whether a decode step ran since the last stop() (asked before every step)
+
+        def charge_step() -> None:
+            """The step that ran: each row decoded about one token (a request's exact cost is set at its end)."""
+            for job in list(session.jobs.values()):
+                self._charge(job, self.policy.prices.decode * job.rows)
+
+        def stop() -> bool:
+            nonlocal stepped
+            if stepped:
+                charge_step()  # charged as it runs, so that the policy sees who is being served now
+            stepped = not (arrivals() or turn_over())
+            return not stepped
 
         while True:
             if arrivals():
@@ -340,8 +429,9 @@ class ModelQueue:
                     self._add(session, job)
             seen = self._keys_queued.get(session.key, 0)
             self.observer.batch(list(session.jobs.values()))
+            stepped = False
             try:
-                finished = session.decoding.run(lambda: arrivals() or turn_over())
+                finished = session.decoding.run(stop)
             except Exception as exc:  # noqa: BLE001 - the batch is unusable: each of its jobs runs again alone
                 logger.warning("decode batch failed (%s: %s); running its %d jobs one by one", type(exc).__name__,
                                exc, len(session.jobs))
@@ -349,6 +439,8 @@ class ModelQueue:
                 for job in session.jobs.values():
                     self._execute(job)
                 return
+            if stepped:  # the last step, after which the batch returned (a request finished, or none is left)
+                charge_step()
             if finished:
                 seen = 0  # the budget they held is free: jobs that did not fit may fit now
             for handle, result in finished:
@@ -368,11 +460,68 @@ class ModelQueue:
             if self._sessions.get(session.owner) is session:
                 del self._sessions[session.owner]
                 if not self._lanes.get(session.owner, True):
-                    del self._lanes[session.owner]
+                    self._drop_lane(session.owner)
 
-    def _execute(self, job: Job) -> None:
+    def _turn_over(self, owner: str, started: float) -> bool:
+        """Whether a slice that began at ``started`` yields now: when another owner has work (or the queue is
+        stopping) and either the slice has run ``slice_seconds``, or it has run ``MIN_TURN_SECONDS`` and the
+        policy says another's turn is due (one of them has been served less: a tenant back from idle, lifted to
+        this one's counter, waits for a few steps, not a whole slice)."""
+        ran = time.monotonic() - started
+        if ran < min(self.slice_seconds, MIN_TURN_SECONDS):
+            return False
+        with self._cond:
+            waiting = [o for o in self._lanes if o != owner and self._ready(o)]
+            if self._stopped:
+                return True
+            return bool(waiting) and (ran >= self.slice_seconds or self.policy.yields(owner, waiting))
+
+    # --- jobs in slices -----------------------------------------------------------------------------------
+
+    def _begin_steps(self, owner: str, job: Job) -> None:
+        self._start([job])
         try:
-            self._finish(job, result=self._encoded(job, job.fn()))
+            steps = job.open_steps()
+        except Exception as exc:  # noqa: BLE001 - e.g. a request the host refuses: this request alone fails
+            self._fail(job, exc)
+            return
+        session = _Steps(owner, job, steps)
+        with self._cond:
+            self._stepping[owner] = session
+            self._lanes.setdefault(owner, collections.deque())
+        self._step(session)
+
+    def _step(self, session: _Steps) -> None:
+        """Run the job's parts until it ends, or its slice is over and another owner waits for a turn."""
+        job = session.job
+        started = time.monotonic()
+        while True:
+            try:
+                tokens = next(session.steps)
+            except StopIteration as end:
+                result = end.value
+                self._end_steps(session)
+                self._execute(job, lambda result=result: result)
+                return
+            except Exception as exc:  # noqa: BLE001 - the error goes back to this request only
+                self._end_steps(session)
+                self._fail(job, exc)
+                return
+            self._charge(job, self.policy.prices.of_forward(job.kind, tokens))
+            if self._turn_over(session.owner, started):
+                return
+
+    def _end_steps(self, session: _Steps) -> None:
+        with self._cond:
+            del self._stepping[session.owner]
+            if not self._lanes.get(session.owner, True) and not self._held(session.owner):
+                self._drop_lane(session.owner)
+
+    def _execute(self, job: Job, work: Callable[[], dict] | None = None) -> None:
+        if work is None:
+            self._charge(job, self.policy.prices.of_forward(job.kind, job.tokens))
+        try:
+            self._finish(job, result=self._encoded(job, (work or job.fn)()))
         except Exception as exc:  # noqa: BLE001 - the error goes back to this request only
             self._fail(job, exc)
 
@@ -408,7 +557,7 @@ class ModelQueue:
         job.status = "failed" if error is not None else "succeeded"
         job.fn, job.payload, job.batch_fn, job.encode = _done, None, None, None  # drop request tensors
         job.on_result = None
-        job.open_decode = None
+        job.open_decode = job.open_steps = None
         self.observer.finished(job)
         if job.done is not None:
             self.loop.call_soon_threadsafe(_announce, job)

@@ -1,5 +1,6 @@
 """What the console shows, as one JSON object (``GET /operator/state``): per tenant its runs (id, base model, step,
-last op and when), its queued jobs, token totals (the page turns two of them into tokens per second) and recent
+last op and when), its queued jobs, its fair-share books per model queue (``fair_share``: counter, served cost and
+weight; engine/fairness.py), token totals (the page turns two of them into tokens per second) and recent
 errors; each model thread's running batch; the worker's memory. Tenants are the ids of their keys, never keys."""
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ def console_state(service) -> dict:
 
     def tenant(name: str) -> dict:
         if name not in tenants:
-            tenants[name] = {"tenant": name, "queued": {}, "runs": [], "errors": [],
+            tenants[name] = {"tenant": name, "queued": {}, "runs": [], "errors": [], "fair_share": {},
                              "tokens": {"train": 0, "prefill": 0, "generation": 0}}
         return tenants[name]
 
@@ -26,6 +27,9 @@ def console_state(service) -> dict:
         for (owner, kind), count in queue.waiting().items():
             queued = tenant(tenant_label(owner))["queued"]
             queued[kind] = queued.get(kind, 0) + count
+    for name, queue in sorted(service.models.queues.items()):
+        for owner, books in queue.fairness().items():
+            tenant(tenant_label(owner))["fair_share"][name] = books
     for run in service.runs.live():
         last = usage.activity.last_op(run.run_id)
         tenant(run.tenant)["runs"].append({

@@ -79,7 +79,7 @@ class Metrics:
 
 
 class _ServiceState:
-    """Queue depth, adapters resident and memory, read from the service when scraped."""
+    """Queue depth, the fair share's books, adapters resident and memory, read from the service when scraped."""
 
     def __init__(self, service) -> None:
         self.service = service
@@ -99,6 +99,19 @@ class _ServiceState:
         for (tenant, op), count in sorted(waiting.items()):
             depth.add_metric([tenant, op], count)
         yield depth
+        counter = GaugeMetricFamily(f"{PREFIX}_fair_share_counter", "each tenant's virtual counter in a model "
+                                    "queue's fair share: cost served divided by its weight, lifted to the others' "
+                                    "least when it comes back (the least goes next; docs/operations.md)",
+                                    labels=["queue", "tenant"])
+        served = GaugeMetricFamily(f"{PREFIX}_served_cost", "cost a model queue served each tenant: train, "
+                                   "prefill and decode tokens at the fair-share prices (docs/operations.md)",
+                                   labels=["queue", "tenant"])
+        for name, queue in sorted(service.models.queues.items()):
+            for owner, books in queue.fairness().items():
+                counter.add_metric([name, tenant_label(owner)], books["counter"])
+                served.add_metric([name, tenant_label(owner)], books["served_cost"])
+        yield counter
+        yield served
         adapters = GaugeMetricFamily(f"{PREFIX}_adapters_resident", "LoRA adapters held in memory: training runs' "
                                      "adapters and in-memory sampler snapshots", labels=["kind"])
         adapters.add_metric(["training"], len(service.runs))

@@ -18,6 +18,7 @@ import torch
 
 from pytrio_compat.wire import ModelOperationCapabilities, SupportedModel
 from server_mock.config import Limits, TrainOptions
+from server_mock.engine.fairness import FairShare
 from server_mock.engine.host import ModelHost
 from server_mock.engine.local_host import LocalModelHost
 from server_mock.engine.queue import ModelQueue, QueueObserver, job_result
@@ -35,6 +36,8 @@ class Models:
                  observer: QueueObserver | None = None) -> None:
         self.sources = dict(sources)
         self.observer = observer  # told what every model queue runs (service/usage.py)
+        # tenant id -> its weight=W from the keys file (engine/fairness.py; missing: 1), read by every queue
+        self.weights: dict[str, float] = {}
         self.tokenizer_ids = dict(tokenizer_ids or {})  # operator-set, per served model name
         self.device = device
         self.dtype = dtype
@@ -101,10 +104,12 @@ class Models:
                     raise WorkerError(500, "model_load_failed",
                                       f"{field_name}: could not load model {name!r}: {exc}", field_name) from exc
                 self.queues[name] = ModelQueue(name, asyncio.get_running_loop(),
-                                               slice_seconds=self.limits.decode_slice_seconds, observer=self.observer)
+                                               slice_seconds=self.limits.decode_slice_seconds, observer=self.observer,
+                                               policy=FairShare(weights=self.weights))
                 if self.cluster is not None:  # samples go to the replicas from their own queue, beside training
                     self.queues[f"{name}:sampling"] = host.sampling_queue(asyncio.get_running_loop())
                     self.queues[f"{name}:sampling"].observer = self.queues[name].observer
+                    self.queues[f"{name}:sampling"].policy = FairShare(weights=self.weights)
                 self.hosts[name] = host
         return self.hosts[name]
 

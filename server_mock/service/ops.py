@@ -10,7 +10,7 @@ the worker's limits, the run's adapter.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +57,8 @@ class PreparedOp:
     nbytes: int = 0
     record: dict | None = None
     tokens: int = 0
+    # the same work in parts, paused between micro-batches (engine/queue.py ``Job.open_steps``); None: in one go
+    steps: Callable[[], Generator[int, None, dict]] | None = None
 
 
 def prepare_forward(batch: ForwardBatch, host: ModelHost, adapter, limits: Limits,
@@ -80,9 +82,18 @@ def prepare_forward(batch: ForwardBatch, host: ModelHost, adapter, limits: Limit
             crash_points.reached("forward_backward")  # (kill tests) the gradients accumulated, nothing answered
         return {"loss_fn_outputs": out["outputs"], "metrics": out["metrics"]}
 
+    open_steps = getattr(host, "forward_backward_steps", None)  # a host that cannot pause runs it in one go
+
+    def run_in_steps() -> Generator[int, None, dict]:
+        out = yield from open_steps(adapter, data, loss_fn, config, batch.backward, batch.loss_scale)
+        if batch.backward:
+            crash_points.reached("forward_backward")
+        return {"loss_fn_outputs": out["outputs"], "metrics": out["metrics"]}
+
+    steps = run_in_steps if open_steps is not None and fault is None else None
     nbytes = sum(DATUM_OVERHEAD_BYTES + sum(_held_bytes(value) for value in row.values()) for row in data)
     tokens = sum(len(row["tokens"]) for row in data)
-    return PreparedOp(batch.kind, run_forward, nbytes, _record(batch, loss_fn, data), tokens)
+    return PreparedOp(batch.kind, run_forward, nbytes, _record(batch, loss_fn, data), tokens, steps)
 
 
 def _record(batch: ForwardBatch, loss_fn: str, data: list) -> dict:

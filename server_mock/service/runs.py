@@ -419,6 +419,7 @@ class Runs:
         job = self.requests.new_job(prepared.kind, prepared.work, tenant, request_id=request_id)
         job.encode = encode if encode is not None else encoder_for(front)
         job.tokens, job.scope = prepared.tokens, run.run_id
+        job.open_steps = prepared.steps
         if self.journal is not None:
             try:
                 room = self.checkpoints.room(tenant) if prepared.record is not None else None

@@ -225,6 +225,7 @@ class Samplers:
         job.payload = (spec, return_text)
         job.batch_fn = lambda payloads: _sample_batch(host, load(), payloads)
         job.batch_cost = spec.num_samples * (len(spec.prompt_tokens) + spec.max_tokens)
+        job.rows = spec.num_samples
         job.open_decode = lambda: _SampleDecoding.open(host, load())
         self.models.sampling_queue(sampler.base_model).put(job)
         return job

@@ -8,7 +8,7 @@ logits (policy_terms.entropy). Without either key the call runs exactly as it di
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -43,13 +43,31 @@ def run_forward_backward(model: TrainModel, data: list[dict[str, np.ndarray]], l
     mean over a call it may split passes 1/denominator). The losses and metrics are never scaled. Datums sharing a
     prompt prefix run it once (prefix_sharing.py); a call with images runs every datum in full (the shared path
     carries no image inputs, and equal placeholder tokens may stand for different images)."""
+    steps = forward_backward_steps(model, data, loss_fn, config, backward, loss_scale)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as end:
+            return end.value
+
+
+def forward_backward_steps(model: TrainModel, data: list[dict[str, np.ndarray]], loss_fn: str,
+                           config: dict[str, float], backward: bool,
+                           loss_scale: float = 1.0) -> Generator[int, None, dict]:
+    """``run_forward_backward`` in parts, for a caller that runs other work between them (the model queue's
+    slices): it yields after each part (a micro-batch, or a shared prompt with its rows, whose backward is done)
+    the datum tokens that part trained (0 for a part of the reference pass) and returns the result. The same
+    computations run in the same order as in one go, and no autograd graph or grad mode is held across a yield,
+    so the result and the gradients are the same to the bit, whatever runs in between on other adapters; the
+    caller makes this adapter the active one again before resuming."""
     share = 0 if any("images" in d for d in data) else model.prefix_share_min_tokens
     passes = prefix_planning.plan([d["tokens"] for d in data], model.micro_batch_tokens, share)
-    reference = _reference_logprobs(model, data, passes) if policy_terms.wants_reference(config) else None
+    reference = (yield from _reference_logprobs(model, data, passes)) if policy_terms.wants_reference(config) \
+        else None
     entropy = policy_terms.wants_entropy(config)
     results = _Results(data, loss_fn, config, model.device, reference, loss_scale)
-    with torch.set_grad_enabled(backward):
-        for batch, chunks in passes.shared:
+    for batch, chunks in passes.shared:
+        with torch.set_grad_enabled(backward):
             shared = _shared_prefix(model, data, batch)
             for chunk in chunks:
                 indices = [i for i, _ in chunk]
@@ -59,15 +77,18 @@ def run_forward_backward(model: TrainModel, data: list[dict[str, np.ndarray]], l
             if backward:
                 shared.backward()
             del shared
-        for batch in passes.rest:
+        yield sum(len(data[i]["tokens"]) for chunk in chunks for i, _ in chunk)
+    for batch in passes.rest:
+        with torch.set_grad_enabled(backward):
             results.add(batch, *_target_logprobs(model, [data[i] for i in batch], entropy), backward)
+        yield sum(len(data[i]["tokens"]) for i in batch)
     return results.summary()
 
 
 def _reference_logprobs(model: TrainModel, data: list[dict[str, np.ndarray]],
-                        passes: prefix_planning.Plan) -> list[torch.Tensor]:
+                        passes: prefix_planning.Plan) -> Generator[int, None, list[torch.Tensor]]:
     """Each datum's target logprobs [n] under the reference model (the adapter disabled), without gradient, over
-    the training pass's plan: each shared prompt runs once here too."""
+    the training pass's plan: each shared prompt runs once here too. Yields 0 after each part (nothing trained)."""
     if model.reference_logits is None:
         raise WorkerError(422, "reference_unavailable", "loss_fn_config.kl_coef: this model host cannot run the "
                                                         "reference model", "loss_fn_config.kl_coef")
@@ -79,16 +100,19 @@ def _reference_logprobs(model: TrainModel, data: list[dict[str, np.ndarray]],
             datum = data[index]
             out[index] = _datum_logprobs(logprobs[row, :len(datum["tokens"])], datum["target_tokens"]).clone()
 
-    with torch.no_grad():
-        for batch, chunks in passes.shared:
+    for batch, chunks in passes.shared:
+        with torch.no_grad():
             shared = _shared_prefix(ref, data, batch)
             for chunk in chunks:
                 indices = [i for i, _ in chunk]
                 which = torch.tensor([row for _, row in chunk], device=model.device)
                 keep(indices, _shared_logprobs(ref, shared, [data[i] for i in indices], which, False)[0])
             del shared
-        for batch in passes.rest:
+        yield 0
+    for batch in passes.rest:
+        with torch.no_grad():
             keep(batch, _target_logprobs(ref, [data[i] for i in batch], False)[0])
+        yield 0
     return out
 
 
