@@ -466,15 +466,14 @@ class DecodeBatch:
     def _drop_cancelled(self) -> bool:
         """End the rows of requests whose stream was cancelled (before this step samples them); whether any row
         is left decoding."""
-        going = [r for r in self._live if not _cancelled(self.rows[r].spec)]
-        if len(going) < len(self._live):
-            for r in self._live:
-                row = self.rows[r]
-                if _cancelled(row.spec):
-                    row.reason = CANCELLED
-                    self._end_row(row)
-            self._live = going
-        return bool(going)
+        ended = [r for r in self._live if _cancelled(self.rows[r].spec)]  # read once: another thread sets it
+        if ended:
+            for r in ended:
+                self.rows[r].reason = CANCELLED
+                self._end_row(self.rows[r])
+            gone = set(ended)
+            self._live = [r for r in self._live if r not in gone]
+        return bool(self._live)
 
     def _finish(self, handle: int) -> None:
         request = self.requests[handle]
