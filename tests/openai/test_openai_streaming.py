@@ -323,3 +323,27 @@ def test_streamed_completions_of_two_prompts_equal_the_unstreamed_answers(client
         assert tokens[choice.index] == list(zip(choice.logprobs.tokens, choice.logprobs.token_logprobs))
         assert offsets[choice.index] == choice.logprobs.text_offset
         assert finish[choice.index] == choice.finish_reason
+
+
+def test_without_the_token_stream_the_answer_comes_whole_at_the_end(client, monkeypatch):
+    """Where the model decodes without the stream (a Ray replica), the results settle every choice."""
+    from server_mock.sampling import decode_batch
+
+    monkeypatch.setattr(decode_batch, "_tell", lambda *args: None)
+    body = {"model": "tiny", "prompt": "so we get", "max_tokens": 10, "n": 2, "seed": 9, "logprobs": 0,
+            "stop": ["e"]}
+    plain = client.completions.create(**body, extra_body=IDS)
+    text, tokens, offsets, ids = {}, {}, {}, {}
+    for chunk in client.completions.create(**body, extra_body=IDS, stream=True):
+        for c in chunk.choices:
+            text[c.index] = text.get(c.index, "") + c.text
+            if c.logprobs is not None:
+                tokens.setdefault(c.index, []).extend(zip(c.logprobs.tokens, c.logprobs.token_logprobs))
+                offsets.setdefault(c.index, []).extend(c.logprobs.text_offset)
+            if c.finish_reason:
+                ids[c.index] = c.token_ids
+    for choice in plain.choices:
+        assert text[choice.index] == choice.text
+        assert tokens.get(choice.index, []) == list(zip(choice.logprobs.tokens, choice.logprobs.token_logprobs))
+        assert offsets.get(choice.index, []) == choice.logprobs.text_offset
+        assert ids[choice.index] == choice.token_ids

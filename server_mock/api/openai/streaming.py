@@ -112,10 +112,14 @@ async def live_events(kind: str, head: dict, first: list[dict], tokenizer, req: 
     def out(chunk: dict) -> str:
         return event({**head, "choices": [chunk], **usage_field})
 
-    def ended(index: int, choice: Choice) -> list[str]:
-        choices[index] = choice
-        text, start, end = states[index].rest(choice)
-        sent = [out(chunks.content(index, states[index], text, start, end))] if text or end > start else []
+    def ended(index: int, seq: dict) -> list[str]:
+        state = states[index]
+        heard = len(state.tokens)
+        for token, logprob in zip(seq["tokens"][heard:], seq["logprobs"][heard:]):  # those the stream did not hear
+            state.add(token, logprob)
+        choice = choices[index] = finish(index, seq)
+        text, start, end = state.rest(choice)
+        sent = [out(chunks.content(index, state, text, start, end))] if text or (req.logprobs and end > start) else []
         return sent + [out(chunks.last(choice))]
 
     async def settle():
@@ -149,8 +153,8 @@ async def live_events(kind: str, head: dict, first: list[dict], tokenizer, req: 
             if text:
                 yield out(chunks.content(index, state, text, start, end))
             if finished is not None:
-                seq = {"tokens": state.tokens, "logprobs": state.logprobs, "stop_reason": finished}
-                for line in ended(index, finish(index, seq)):
+                seq = {"tokens": list(state.tokens), "logprobs": list(state.logprobs), "stop_reason": finished}
+                for line in ended(index, seq):
                     yield line
         if isinstance(outcome, WorkerError):
             yield event(error_body(outcome))
@@ -163,7 +167,7 @@ async def live_events(kind: str, head: dict, first: list[dict], tokenizer, req: 
             for s, seq in enumerate(result["sequences"]):
                 index = p * req.n + s
                 if choices[index] is None:
-                    for line in ended(index, finish(index, seq)):
+                    for line in ended(index, seq):
                         yield line
         if req.include_usage:
             yield event({**head, "choices": [], "usage": render.usage(prompt_tokens, [c for c in choices if c])})
