@@ -12,7 +12,8 @@ read, so nothing a live row computes depends on them. The cache's full-attention
 (``cache_rows.give_room``), sized for the longest remaining row.
 
 A request's ``TokenStream`` (``SampleSpec.stream``, token_stream.py) is told each of its tokens as the step that
-sampled it ends, and a cancelled one's rows end before the next step samples them.
+sampled it ends, and a cancelled one's rows end before the next step samples them (one cancelled before it is
+admitted ends at once, without a prefill).
 
 Where a model's cache cannot do something (``SamplingSupport``, found by the load-time probe), the slower
 path keeps the results exact: no shared prefill (each row prefills its own copy; rows never leave), no padded
@@ -220,7 +221,12 @@ class DecodeBatch:
                 self.rows.append(_Row(handle, spec, gen, sample=r))
             self.requests[handle] = request
             handles.append(handle)
-        self._waiting.extend(handles)
+            if _cancelled(spec):  # its client went away while it was queued: it ends here, never prefilled
+                for r in request.rows:
+                    self.rows[r].reason, self.rows[r].done = CANCELLED, True
+                self._finish(handle)
+            else:
+                self._waiting.append(handle)
         with torch.no_grad(), EvalMode(self.model):
             self._prefill_waiting()
         return handles

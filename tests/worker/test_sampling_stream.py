@@ -101,3 +101,17 @@ def test_cancelling_the_only_request_ends_the_batch(tok, model):
     [again] = batch.admit([later])  # the batch takes new requests after it ended
     batch.run()
     assert [f.handle for f in batch.take_finished()] == [again]
+
+
+def test_a_request_cancelled_before_it_is_admitted_ends_without_a_prefill(tok, model):
+    batch = DecodeBatch(model, tok)
+    spec = SampleSpec(prompt_tokens=tok.encode("hi"), num_samples=2, max_tokens=30, seed=5)
+    spec.stream = Recorder(lambda: 0)
+    spec.stream.cancelled = True
+    stays = SampleSpec(prompt_tokens=tok.encode("then"), num_samples=1, max_tokens=4, seed=6)
+    gone, kept = batch.admit([spec, stays])
+    assert batch.live_rows == 1  # only the other request's row was prefilled
+    batch.run()
+    done = {f.handle: f for f in batch.take_finished()}
+    assert [(r.reason, r.tokens) for r in done[gone].rows] == [("cancelled", []), ("cancelled", [])]
+    assert spec.stream.heard == [] and len(done[kept].rows[0].tokens) == 4
