@@ -9,6 +9,7 @@ placed on the group with the fewest runs and stay there.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import secrets
 import threading
@@ -134,6 +135,8 @@ class RemoteModelHost(ModelFacts):
             return ref
 
     def sample_batch(self, snapshot: Snapshot | None, specs: list, timings: dict) -> list:
+        # a request's token stream stays in this process: the replica decodes without it (its tokens come at the end)
+        specs = [dataclasses.replace(s, stream=None) if getattr(s, "stream", None) is not None else s for s in specs]
         holder = None if snapshot is None else [self._publish(snapshot)]  # in a list: the replica fetches it
         costs = [s.num_samples * (len(s.prompt_tokens) + s.max_tokens) for s in specs]
         results, replica_timings, index = self.pool.sample(None if snapshot is None else snapshot.snapshot_id,

@@ -11,6 +11,10 @@ cache keeps only the live rows (one copy for several rows, instead of one per ro
 read, so nothing a live row computes depends on them. The cache's full-attention layers append in place
 (``cache_rows.give_room``), sized for the longest remaining row.
 
+A request's ``TokenStream`` (``SampleSpec.stream``, token_stream.py) is told each of its tokens as the step that
+sampled it ends, and a cancelled one's rows end before the next step samples them (one cancelled before it is
+admitted ends at once, without a prefill).
+
 Where a model's cache cannot do something (``SamplingSupport``, found by the load-time probe), the slower
 path keeps the results exact: no shared prefill (each row prefills its own copy; rows never leave), no padded
 batch (requests decode one after another), no stacking (a request waits until the running batch ends).
@@ -18,6 +22,7 @@ batch (requests decode one after another), no stacking (a request waits until th
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from dataclasses import dataclass, field
@@ -27,6 +32,9 @@ import torch
 from server_mock.sampling import cache_rows, prompt_images
 from server_mock.sampling.logprobs import EvalMode, prompt_logprobs
 from server_mock.sampling.token_choice import next_tokens, row_seed, stop_string_hit
+from server_mock.sampling.token_stream import CANCELLED
+
+logger = logging.getLogger("server_mock")
 
 __all__ = ["DecodeBatch", "FULL_SUPPORT", "SamplingSupport", "forward"]
 
@@ -83,6 +91,7 @@ class _Row:
     logprobs: list[float] = field(default_factory=list)
     reason: str = "length"
     done: bool = False
+    sample: int = 0  # the row's index among its request's samples
 
 
 @dataclass
@@ -209,10 +218,15 @@ class DecodeBatch:
                     gen = torch.Generator(device=self.device)
                     gen.manual_seed(row_seed(seed, r))
                 request.rows.append(len(self.rows))
-                self.rows.append(_Row(handle, spec, gen))
+                self.rows.append(_Row(handle, spec, gen, sample=r))
             self.requests[handle] = request
             handles.append(handle)
-        self._waiting.extend(handles)
+            if _cancelled(spec):  # its client went away while it was queued: it ends here, never prefilled
+                for r in request.rows:
+                    self.rows[r].reason, self.rows[r].done = CANCELLED, True
+                self._finish(handle)
+            else:
+                self._waiting.append(handle)
         with torch.no_grad(), EvalMode(self.model):
             self._prefill_waiting()
         return handles
@@ -367,6 +381,9 @@ class DecodeBatch:
             self.profile[phase] = self.profile.get(phase, 0.0) + time.perf_counter() - started
 
     def _step(self) -> None:
+        if not self._drop_cancelled():
+            self._batch_ended()
+            return
         part = self._part
         started = time.perf_counter()
         if len(self._live) == len(part.rows):
@@ -384,10 +401,7 @@ class DecodeBatch:
         self._live = going
         self._count("record", started)
         if not going:
-            if self._in_static:
-                self.static.active, self._in_static = None, False
-            self._part = None
-            self._prefill_waiting()
+            self._batch_ended()
             return
         if self.support.shared_prefix and len(going) <= _COMPACT_AT * len(part.rows):
             started = time.perf_counter()
@@ -424,6 +438,13 @@ class DecodeBatch:
             part.positions = part.positions + 1
         self._count("forward", started)
 
+    def _batch_ended(self) -> None:
+        """No row is left decoding: drop the batch's state and prefill any requests that waited for it."""
+        if self._in_static:
+            self.static.active, self._in_static = None, False
+        self._part = None
+        self._prefill_waiting()
+
     def _record(self, r: int, token: int, logprob: float) -> bool:
         """Append a row's token; whether the row goes on generating."""
         row = self.rows[r]
@@ -435,12 +456,30 @@ class DecodeBatch:
                                                                                request.stops, request.window)):
             row.reason = "stop"
         elif len(row.tokens) < spec.max_tokens:
+            _tell(row, token, logprob, None)
             return True
+        _tell(row, token, logprob, row.reason)
+        self._end_row(row)
+        return False
+
+    def _end_row(self, row: _Row) -> None:
         row.done = True
+        request = self.requests[row.request]
         request.open_rows -= 1
         if request.open_rows == 0:
             self._finish(row.request)
-        return False
+
+    def _drop_cancelled(self) -> bool:
+        """End the rows of requests whose stream was cancelled (before this step samples them); whether any row
+        is left decoding."""
+        ended = [r for r in self._live if _cancelled(self.rows[r].spec)]  # read once: another thread sets it
+        if ended:
+            for r in ended:
+                self.rows[r].reason = CANCELLED
+                self._end_row(self.rows[r])
+            gone = set(ended)
+            self._live = [r for r in self._live if r not in gone]
+        return bool(self._live)
 
     def _finish(self, handle: int) -> None:
         request = self.requests[handle]
@@ -448,3 +487,21 @@ class DecodeBatch:
         self._finished.append(Finished(handle, [self.rows[r] for r in request.rows], request.prompt_info[0],
                                        request.prompt_info[1], request.prefill_s,
                                        self._clock + in_step - request.decode_started))
+
+
+# --- a request's token stream (token_stream.py) -----------------------------------------------------------------
+
+
+def _cancelled(spec) -> bool:
+    stream = getattr(spec, "stream", None)
+    return stream is not None and stream.cancelled
+
+
+def _tell(row: _Row, token: int, logprob: float, finished: str | None) -> None:
+    stream = getattr(row.spec, "stream", None)
+    if stream is None:
+        return
+    try:
+        stream.token(row.sample, len(row.tokens) - 1, token, logprob, finished)
+    except Exception:  # noqa: BLE001 - a listener's failure is its own; the batch decodes on
+        logger.exception("a sample request's token stream failed")

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from server_mock.sampling.decode_batch import FULL_SUPPORT, DecodeBatch, Finished, SamplingSupport
 from server_mock.sampling.logprobs import teacher_forced_logprobs
 from server_mock.sampling.token_choice import row_seed
+from server_mock.sampling.token_stream import TokenStream
 
 __all__ = [
     "FULL_SUPPORT",
@@ -57,6 +58,9 @@ class SampleSpec:
     images: tuple = ()
     # never drawn (their probability is set to 0 before choosing); logprobs stay the model's distribution's
     banned_token_ids: list[int] = field(default_factory=list)
+    # told each token as its decode step ends, and read before each step to cancel the request (token_stream.py);
+    # it stays in this process (a remote host decodes without it)
+    stream: TokenStream | None = None
 
 
 @dataclass

@@ -21,6 +21,7 @@ from server_mock.engine.requests import RequestStore, run_id
 from server_mock.errors import WorkerError, bad_request, not_found, storage_error
 from server_mock.lora import Layer, Snapshot, adapter_keys, align_adapter_keys
 from server_mock.sampling.generate import SampleSpec
+from server_mock.sampling.token_stream import TokenStream
 from server_mock.service.checkpoints import Checkpoints
 from server_mock.service.journal import Journal
 from server_mock.service.models import Models
@@ -180,27 +181,32 @@ class Samplers:
         return f"{sampler.base_model}:disk:{sampler.model_path}", load
 
     async def submit_async(self, sampler_id: str, request: SampleRequest, tenant: str, request_id: str | None = None,
-                           front: dict | None = None) -> Job:
+                           front: dict | None = None, stream: TokenStream | None = None) -> Job:
         """``submit`` for a front end on the event loop: a prompt with images is decoded and processed in a worker
         thread (a text prompt is checked inline, as before)."""
         if not request.prompt_images:
-            return self.submit(sampler_id, request, tenant, request_id=request_id, front=front)
+            return self.submit(sampler_id, request, tenant, request_id=request_id, front=front, stream=stream)
         sampler = self.get(sampler_id, tenant)
         check_queued(self.requests, tenant, self.limits.max_queued_requests)
         host = self.models.loaded(sampler.base_model)
         spec = await asyncio.to_thread(validate_sample, request, host, self.limits)
-        return self.submit(sampler_id, request, tenant, spec, request_id=request_id, front=front)
+        return self.submit(sampler_id, request, tenant, spec, request_id=request_id, front=front, stream=stream)
 
     def submit(self, sampler_id: str, request: SampleRequest, tenant: str, spec: SampleSpec | None = None,
-               request_id: str | None = None, requeued: bool = False, front: dict | None = None) -> Job:
+               request_id: str | None = None, requeued: bool = False, front: dict | None = None,
+               stream: TokenStream | None = None) -> Job:
         """Queue one sample request; its job's result is a dict (``sample_result``'s form). ``spec``: the request
         already checked (``validate_sample``); ``request_id``: the id a front end chose for it, or (``requeued``)
-        one accepted before a restart, queued again; ``front``: the front end's own fields, journaled with it."""
+        one accepted before a restart, queued again; ``front``: the front end's own fields, journaled with it;
+        ``stream``: told each token as it is decoded, and how the front end cancels the request
+        (sampling/token_stream.py; where the model decodes in this process)."""
         sampler = self.get(sampler_id, tenant)
         check_queued(self.requests, tenant, self.limits.max_queued_requests)
         host = self.models.loaded(sampler.base_model)
         if spec is None:
             spec = validate_sample(request, host, self.limits)
+        if stream is not None:
+            spec.stream = stream
         weights_key, load = self._weights_for(sampler, host)
         batch_key = weights_key if self.limits.batch_across_tenants else f"{tenant}|{weights_key}"
         return_text = request.return_text

@@ -6,9 +6,9 @@ through the service's queues (see serving.py); fields are checked in protocol.py
 answers are built in render.py. Errors have OpenAI's shape:
 ``{"error": {"message", "type", "param", "code"}}``.
 
-``stream: true`` answers with server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``.
-The worker decodes a request's samples as one batch, so the role chunk is sent at once and the
-content chunks (one per token) when decoding has finished.
+``stream: true`` answers with server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``:
+each token's text as the decode step that sampled it ends (streaming.py). With ``top_logprobs``, which a
+teacher-forced pass computes once the answer is complete, the content chunks (one per token) come when it is.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from server_mock.api import bodies
 from server_mock.api.auth import Auth
 from server_mock.api.browser_safety import JSON, require_media_type
 from server_mock.api.endpoint import endpoint
-from server_mock.api.openai import render
+from server_mock.api.openai import render, streaming
 from server_mock.api.openai.protocol import Generation, parse_chat, parse_completion
 from server_mock.api.openai.serving import Generator
 from server_mock.errors import WorkerError
@@ -40,7 +40,7 @@ from server_mock.service.worker import WorkerService
 logger = logging.getLogger("server_mock")
 
 PREFIX = "/api/openai/v1"
-KEEPALIVE_SECONDS = 15.0  # an SSE comment this often while a streamed request waits for its batch
+KEEPALIVE_SECONDS = 15.0  # an SSE comment after this long without an event (a streamed request waits in the queue)
 _TYPES = {401: "authentication_error", 403: "permission_error", 404: "invalid_request_error",
           429: "rate_limit_error"}
 
@@ -111,8 +111,9 @@ async def chat_completions(gen: Generator, request: Request, tenant: str):
                                                             f"model; {req.model} is text-only", "messages")
         prompt, placed = render.split_images(prompt, host.vision.marker_id, req.images)
         images = [WireImage(position=at, chunk=ImageChunk(data=data, format=fmt)) for at, data, fmt, _ in placed]
+    queue, streams = streaming.channels(1, req.n) if _live(req) else (None, None)
     try:
-        jobs = await gen.submit_all(sampler_id, host, [prompt], req, tenant, "messages", [images])
+        jobs = await gen.submit_all(sampler_id, host, [prompt], req, tenant, "messages", [images], streams)
     except WorkerError as exc:
         raise _image_part_error(exc, req) from None
     work = functools.partial(gen.choices, sampler_id, host, [prompt], jobs, req, tenant, "messages")
@@ -124,6 +125,8 @@ async def chat_completions(gen: Generator, request: Request, tenant: str):
                 "system_fingerprint": None}
         first = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
                  for i in range(req.n)]
+        if streams is not None:
+            return _live_stream("chat", head, first, gen, host, req, queue, streams, jobs, "messages", prompt_len)
         chunks = functools.partial(render.chat_chunks, host.tokenizer)
         return _stream(head, first, work, lambda c: chunks(c, req.logprobs, req.return_token_ids)[1:], req,
                        prompt_len)
@@ -157,12 +160,15 @@ async def completions(gen: Generator, request: Request, tenant: str):
                                                                             limits.max_sample_tokens))
     sampler_id, host = await gen.resolve(req.model, tenant)
     prompts = [render.encode_prompt(host.tokenizer, p) for p in req.prompts]
-    jobs = await gen.submit_all(sampler_id, host, prompts, req, tenant, "prompt")
+    queue, streams = streaming.channels(len(prompts), req.n) if _live(req) else (None, None)
+    jobs = await gen.submit_all(sampler_id, host, prompts, req, tenant, "prompt", streams=streams)
     work = functools.partial(gen.choices, sampler_id, host, prompts, jobs, req, tenant, "prompt")
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     prompt_tokens = sum(len(p) for p in prompts)
     if req.stream:
         head = {"id": rid, "object": "text_completion", "created": created, "model": req.model}
+        if streams is not None:
+            return _live_stream("completion", head, [], gen, host, req, queue, streams, jobs, "prompt", prompt_tokens)
         chunks = functools.partial(render.completion_chunks, host.tokenizer)
         return _stream(head, [], work, lambda c: chunks(c, req.logprobs, req.return_token_ids), req, prompt_tokens)
     choices = await work()
@@ -175,9 +181,25 @@ async def completions(gen: Generator, request: Request, tenant: str):
     return body
 
 
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def _live(req: Generation) -> bool:
+    """Whether a request streams its tokens as they are decoded (top logprobs need the finished answer)."""
+    return req.stream and not req.top_logprobs
+
+
+def _live_stream(kind: str, head: dict, first: list[dict], gen: Generator, host, req: Generation, queue, streams,
+                 jobs: list, prompt_field: str, prompt_tokens: int) -> StreamingResponse:
+    events = streaming.live_events(kind, head, first, host.tokenizer, req, queue, streams,
+                                   functools.partial(gen.results, jobs, req, prompt_field), gen.finisher(host, req),
+                                   prompt_tokens, lambda: KEEPALIVE_SECONDS, error_body)
+    return StreamingResponse(events, media_type="text/event-stream", headers=_SSE_HEADERS)
+
+
 def _stream(head: dict, first: list[dict], work, chunks_of, req: Generation, prompt_tokens: int) -> StreamingResponse:
-    """Server-sent events: ``first`` at once, then each choice's chunks (``work()`` gives the choices),
-    usage if asked, then ``[DONE]``."""
+    """Server-sent events once the answer is complete: ``first`` at once, then each choice's chunks (``work()``
+    gives the choices), usage if asked, then ``[DONE]``."""
     usage_field = {"usage": None} if req.include_usage else {}
 
     def event(payload: dict) -> str:
@@ -211,8 +233,7 @@ def _stream(head: dict, first: list[dict], work, chunks_of, req: Generation, pro
             if not task.done():
                 task.cancel()  # the client went away; the queued samples finish on their own
 
-    return StreamingResponse(events(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return StreamingResponse(events(), media_type="text/event-stream", headers=_SSE_HEADERS)
 
 
 async def unknown_endpoint(gen: Generator, request: Request, tenant: str):

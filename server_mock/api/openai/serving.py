@@ -72,18 +72,23 @@ class Generator:
         return sampler.sampler_id, host
 
     async def submit_all(self, sampler_id: str, host, prompts: list[list[int]], gen: Generation, tenant: str,
-                         prompt_field: str, images: list[list[WireImage] | None] | None = None) -> list:
+                         prompt_field: str, images: list[list[WireImage] | None] | None = None,
+                         streams: list | None = None) -> list:
         """Check every prompt, then queue each one's ``n`` samples; returns the service jobs. ``images[i]``: the
-        images of prompt i (decoded and checked in a worker thread by the service)."""
+        images of prompt i (decoded and checked in a worker thread by the service); ``streams[i]``: the token
+        stream of prompt i's request (streaming.py), cancelled for every prompt if one cannot be queued."""
         requests = [self.prepare(host, prompt, gen, prompt_field, f" of prompt {i}" if len(prompts) > 1 else "")
                     for i, prompt in enumerate(prompts)]
         for request, prompt_images in zip(requests, images or []):
             request.prompt_images = prompt_images
         jobs = []
-        for r in requests:
+        for i, r in enumerate(requests):
             try:
-                jobs.append(await self.service.samplers.submit_async(sampler_id, r, tenant))
+                jobs.append(await self.service.samplers.submit_async(sampler_id, r, tenant,
+                                                                     stream=streams[i] if streams else None))
             except WorkerError as exc:
+                for stream in streams or []:
+                    stream.cancelled = True  # the prompts queued already are not answered
                 raise openai_error(exc, prompt_field, gen.max_tokens_field) from None
         return jobs
 
@@ -122,6 +127,18 @@ class Generator:
             return self.service.samplers.submit(sampler_id, request, tenant)
         except WorkerError as exc:
             raise openai_error(exc, prompt_field, max_tokens_field) from None
+
+    async def results(self, jobs: list, gen: Generation, prompt_field: str) -> list[dict]:
+        """Wait for the jobs: each prompt's sample result (``{"sequences": [...]}``)."""
+        try:
+            return list(await asyncio.gather(*(job_result(job) for job in jobs)))
+        except WorkerError as exc:
+            raise openai_error(exc, prompt_field, gen.max_tokens_field) from None
+
+    def finisher(self, host, gen: Generation):
+        """``finish(index, sequence)``: a sampled sequence as choice ``index`` (no top logprobs)."""
+        stop_ids = set(getattr(host.tokenizer, "all_special_ids", []) or [])
+        return lambda index, seq: finish(host.tokenizer, index, seq, gen.stop, stop_ids)
 
     async def choices(self, sampler_id: str, host, prompts: list[list[int]], jobs: list, gen: Generation,
                       tenant: str, prompt_field: str) -> list[Choice]:
