@@ -153,7 +153,7 @@ async def submit_event(state: PytrioState, request: Request):
             check_datum_count(len(data) if isinstance(data, list) else 0, state.service.limits, "payload.data")
         except WorkerError as exc:
             event.fail(exc.code, exc.message)
-            return answered(state, run, event)
+            return await answered(state, run, event)
         try:
             payload = await asyncio.to_thread(wire.parse_payload, envelope) if big else wire.parse_payload(envelope)
         except PydanticValidationError as exc:
