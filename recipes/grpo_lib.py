@@ -47,12 +47,12 @@ from grpo_datums import (
     ratio_clip_fraction, ppo_clip_fraction, logprob_gap_max,
 )
 from grpo_data import (
-    HUB_HINT, DataUnavailableError, load_rows, eval_data_file, _load_hub_gsm8k, arithmetic_rows, shuffle_rows,
+    HUB_HINT, DataUnavailableError, load_rows, eval_data_file, arithmetic_rows, shuffle_rows,
     batch_rows,
 )
 from grpo_logging import (
     StepStats, PLOTTED, REWARD_WINDOW, MetricsLogger, curve_lines, moving_average, plot_curves,
 )
 from grpo_eval import (
-    EVAL_GRADERS, evaluate, evaluate_async, should_eval,
+    EVAL_GRADERS, accuracy, evaluate, evaluate_async, greedy_results, should_eval,
 )
