@@ -10,7 +10,8 @@ Each concern lives in its own module, so it can be read and tested on its own (s
 * `grpo_variants` std-normalised advantages, loss aggregation by weights, the KL term, DAPO's dynamic sampling;
 * `grpo_data`     GSM8K (local file or hub), generated two-digit additions and Countdown, shuffling and batching;
 * `grpo_logging`  per-step metrics, metrics.jsonl / console / SwanLab, curves.png;
-* `grpo_eval`     greedy held-out accuracy.
+* `grpo_eval`     greedy held-out accuracy;
+* `grpo_demo`     what both demos set up around their step (`Demo`: options, data, clients, prompts, logs).
 
 Conventions (the same as the PyTRIO / Tinker cookbook GRPO recipes):
 * reward: 1.0 when the last `\\boxed{...}` of a completion equals the number after `#### ` in the GSM8K
@@ -56,3 +57,4 @@ from grpo_logging import (
 from grpo_eval import (
     EVAL_GRADERS, accuracy, evaluate, evaluate_async, greedy_results, should_eval,
 )
+from grpo_demo import Demo
