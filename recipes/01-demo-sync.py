@@ -93,7 +93,7 @@ def main(argv=None):
                                                           loss_fn_config=demo.loss_fn_config())
                 op = training_client.optim_step(demo.adam_params)
                 fb_output, optim_output = fb.result(), op.result()
-        demo.log(step, stats, datums, fb_output, optim_output, extra)
+        demo.log(step, stats, datums, fb_output, optim_output, {**extra, "sampler/staleness": 0.0})
 
     final_accuracy = None
     if args.eval_every > 0:

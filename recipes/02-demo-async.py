@@ -9,6 +9,11 @@ submit, once for the result).
     python recipes/02-demo-async.py --steps 10 --batch-size 4 --group-size 8 --max-tokens 512 \\
         --data-file ../shared/data/gsm8k --eval-every 5 --swanlab-mode local
 
+`--max-steps-off-policy 1` starts the next step's rollouts as soon as this step's update is submitted, from this
+step's sampler, so the worker decodes them while the script waits for the update: every step after the first
+trains on samples one update old (logged as `sampler/staleness`). The losses' importance ratio is
+exp(learner logprob - sampler logprob), with the sampler's logprobs in each datum, so they stay correctly weighted.
+
 With the same --seed, step 0 builds exactly the datums of the sync demo. The GRPO variants (`--advantage std`,
 `--loss-agg`, `--kl-coef`, `--clip-high`, `--dynamic-sampling`): recipes/grpo_variants.py. Everything around
 the step (options, data, clients, evaluation, logs): recipes/grpo_demo.py.
@@ -46,20 +51,28 @@ async def run(demo):
     args, training_client, tokenizer = demo.args, demo.training_client, demo.tokenizer
     # Reward: the boxed number against the answer's (countdown: the boxed expression, 0.1 when only well-formed).
     reward = countdown_reward if args.dataset == "countdown" else grade
+    ahead = None  # (the next step's rollouts, started while this step trained; the step whose weights sample them)
 
     for step in range(demo.total_steps):
         stats, extra = StepStats(), {}
 
-        # 1. A sampler that holds the current weights (on-policy sampling); greedy held-out accuracy now and then.
+        # 1. A sampler that holds the current weights (the weights after `step` updates); greedy held-out
+        # accuracy now and then.
         with stats.timer("time/sync"):
             sampler = await training_client.save_weights_and_get_sampling_client_async()
         if demo.should_eval(step):
             with stats.timer("time/eval"):
                 extra["eval/accuracy"] = await demo.evaluate_async(sampler)
 
-        # 2. Rollouts: every prompt's group in flight at once.
+        # 2. Rollouts: every prompt's group in flight at once, from this sampler (on-policy), or, with
+        # --max-steps-off-policy 1, the ones started from the previous step's sampler while that step trained.
         with stats.timer("time/sample"):
-            groups = await rollouts(demo, sampler, demo.rows(step), step)
+            if ahead is None:
+                ahead = (asyncio.create_task(rollouts(demo, sampler, demo.rows(step), step)), step)
+            task, sampled_at = ahead
+            groups, ahead = await task, None
+        staleness = step - sampled_at  # updates between the sampler's weights and the ones this step trains
+        assert 0 <= staleness <= args.max_steps_off_policy, (step, sampled_at)
 
         # 3. Rewards -> group-relative advantages -> datums. A group whose rewards are all equal has advantages
         # of 0: it teaches nothing and is skipped.
@@ -84,20 +97,24 @@ async def run(demo):
             datums = batch.datums()
             extra.update(batch.metrics())
 
-        # 4. One update: submit forward_backward and optim_step (first await), then wait for both (second).
+        # 4. One update: submit forward_backward and optim_step (first await), then wait for both (second). With
+        # --max-steps-off-policy 1 the next step's rollouts start in between, from this step's sampler.
         fb_output = optim_output = None
-        if not datums:
-            print(f"step {step}: no datums: skipping update")
-        else:
-            with stats.timer("time/train"):
+        with stats.timer("time/train"):
+            if datums:
                 if (custom_loss := demo.custom_loss()) is not None:  # --custom-cispo: the loss computed here
                     fb = await training_client.forward_backward_custom_async(datums, custom_loss)
                 else:
                     fb = await training_client.forward_backward_async(datums, loss_fn=args.loss_fn,
                                                                       loss_fn_config=demo.loss_fn_config())
                 op = await training_client.optim_step_async(demo.adam_params)
+            if args.max_steps_off_policy and step + 1 < demo.total_steps:
+                ahead = (asyncio.create_task(rollouts(demo, sampler, demo.rows(step + 1), step + 1)), step)
+            if datums:
                 fb_output, optim_output = await fb, await op
-        demo.log(step, stats, datums, fb_output, optim_output, extra)
+            else:
+                print(f"step {step}: no datums: skipping update")
+        demo.log(step, stats, datums, fb_output, optim_output, {**extra, "sampler/staleness": float(staleness)})
 
     final_accuracy = None
     if args.eval_every > 0:

@@ -29,7 +29,11 @@ class Demo:
     and the pieces of the step that are the same in both demos."""
 
     def __init__(self, description: str, argv: Sequence[str] | None, script: str) -> None:
-        self.args = args = build_arg_parser(description).parse_args(argv)
+        parser = build_arg_parser(description)
+        self.args = args = parser.parse_args(argv)
+        if script == "sync" and args.max_steps_off_policy:
+            parser.error("--max-steps-off-policy is for 02-demo-async.py: the sync demo samples every step from "
+                         "its own weights")
         self.train_rows = shuffle_rows(load_rows(args.dataset, "train", args.data_file, seed=args.seed), args.seed)
         self.eval_rows = (load_rows(args.dataset, "test", eval_data_file(args), n=args.eval_size)
                           if args.eval_every > 0 else [])

@@ -15,6 +15,7 @@ from grpo_variants import add_variant_options, check_variant_options, policy_con
 LOSS_FNS = ("importance_sampling", "ppo", "cispo")
 SWANLAB_MODES = ("online", "local", "offline", "disabled")
 DATASETS = ("gsm8k", "arithmetic", "countdown", "shapes")
+MAX_STEPS_OFF_POLICY = 1  # the async demo samples the next step while this one trains: one step behind at most
 
 
 # Defaults that depend on --dataset. gsm8k: the upstream PyTRIO GSM8K demos. arithmetic: the CPU demo of
@@ -49,6 +50,9 @@ class RecipeArgParser(argparse.ArgumentParser):
                 setattr(parsed, key, value)
         if hasattr(parsed, "loss_agg"):
             check_variant_options(self, parsed)
+        if not 0 <= getattr(parsed, "max_steps_off_policy", 0) <= MAX_STEPS_OFF_POLICY:
+            self.error(f"--max-steps-off-policy must be 0 or {MAX_STEPS_OFF_POLICY} (a step's samples come from "
+                       f"the weights before at most that many optim steps), got {parsed.max_steps_off_policy}")
         return parsed, extras
 
 
@@ -109,6 +113,10 @@ def build_arg_parser(description: str) -> argparse.ArgumentParser:
                         f"{_default_help('eval_every')}")
     p.add_argument("--eval-size", type=int, default=None,
                    help=f"number of test questions per evaluation; {_default_help('eval_size')}")
+    p.add_argument("--max-steps-off-policy", type=int, default=0,
+                   help="02-demo-async.py: 1 starts sampling the next step while this step trains, from the "
+                        "weights before this step's update (one step off-policy; the loss's importance ratio is "
+                        "against the sampler's logprobs); 0 (default) samples every step from its own weights")
     add_variant_options(p)  # --advantage, --loss-agg, --kl-coef, --dynamic-sampling, ...: grpo_variants.py
     return p
 
