@@ -19,7 +19,9 @@ MAX_STEPS_OFF_POLICY = 1  # the async demo samples the next step while this one 
 
 
 # Defaults that depend on --dataset. gsm8k: the upstream PyTRIO GSM8K demos. arithmetic: the CPU demo of
-# scripts/demo.sh, chosen from the measurements in docs/benchmarks.md ("Learning: recipe vs plain loop").
+# scripts/demo.sh, chosen from the measurements in docs/benchmarks.md ("Learning: recipe vs plain loop"); it
+# evaluates at the first and the last step only (an evaluation does not change the training, and each of its
+# 200 problems costs a prefill of the 160-token few-shot prompt: docs/benchmarks.md, "Evaluation").
 # countdown: the arithmetic settings with room for a worked answer and its boxed expression (the few-shot
 # answers are 32 and 50 SmolLM2 tokens); not tuned, and not shown to learn (TinyZero trained a 3B model on it).
 DATASET_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -28,7 +30,7 @@ DATASET_DEFAULTS: dict[str, dict[str, Any]] = {
               "eval_every": 0, "eval_size": 50},
     "arithmetic": {"base_model": "HuggingFaceTB/SmolLM2-135M-Instruct", "lora_rank": 16, "train_unembed": True,
                    "steps": 20, "group_size": 8, "max_tokens": 40, "learning_rate": 2e-4, "beta2": 0.95,
-                   "adam_eps": 1e-12, "eval_every": 10, "eval_size": 200},
+                   "adam_eps": 1e-12, "eval_every": 20, "eval_size": 200},
     "countdown": {"base_model": "HuggingFaceTB/SmolLM2-135M-Instruct", "lora_rank": 16, "train_unembed": True,
                   "steps": 20, "group_size": 8, "max_tokens": 96, "learning_rate": 2e-4, "beta2": 0.95,
                   "adam_eps": 1e-12, "eval_every": 10, "eval_size": 100},
