@@ -50,9 +50,8 @@ class RecipeArgParser(argparse.ArgumentParser):
         for key, value in DATASET_DEFAULTS[parsed.dataset].items():
             if getattr(parsed, key, None) is None:
                 setattr(parsed, key, value)
-        if hasattr(parsed, "loss_agg"):
-            check_variant_options(self, parsed)
-        if not 0 <= getattr(parsed, "max_steps_off_policy", 0) <= MAX_STEPS_OFF_POLICY:
+        check_variant_options(self, parsed)
+        if not 0 <= parsed.max_steps_off_policy <= MAX_STEPS_OFF_POLICY:
             self.error(f"--max-steps-off-policy must be 0 or {MAX_STEPS_OFF_POLICY} (a step's samples come from "
                        f"the weights before at most that many optim steps), got {parsed.max_steps_off_policy}")
         return parsed, extras
@@ -158,8 +157,7 @@ def loss_fn_config(args: argparse.Namespace) -> dict[str, float] | None:
     config: dict = {}
     if args.loss_fn == "cispo":
         config = {"clip_low_threshold": args.cispo_clip_low, "clip_high_threshold": args.cispo_clip_high}
-    if hasattr(args, "loss_agg"):
-        config.update(policy_config(args))
+    config.update(policy_config(args))
     return config or None
 
 
