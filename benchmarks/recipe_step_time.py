@@ -7,7 +7,7 @@ worker; each recipe runs on every setting before the next recipe starts); the as
 requests are decoded as one batch by the worker, the sync recipe's one after the other. Medians over steps 1..
 (step 0 includes loading the model).
 
-    python benchmarks/recipe_step_time.py [--steps 4] [--settings shared,unshared]
+    python benchmarks/recipe_step_time.py [--steps 4] [--settings shared,unshared] [--recipes sync,async,async-ahead]
 """
 
 from __future__ import annotations
@@ -24,10 +24,14 @@ from benchmarks.common import SMOLLM2, median, save  # noqa: E402
 
 SETTINGS = {"shared": (), "unshared": ("--prefix-share-min-tokens", "0"),  # worker options per setting
             "full": ("--durability", "full"), "checkpoint-only": ("--durability", "checkpoint-only")}
-RECIPES = {"sync": "01-demo-sync.py", "async": "02-demo-async.py"}
+# name -> (script, its extra options); "async-ahead" samples the next step while this one trains
+RECIPES = {"sync": ("01-demo-sync.py", ()), "async": ("02-demo-async.py", ()),
+           "async-ahead": ("02-demo-async.py", ("--max-steps-off-policy", "1"))}
+DEFAULT_RECIPES = "sync,async"
 
 
-def run(script: str, args, worker, tag: str) -> list[dict]:
+def run(recipe: tuple[str, tuple[str, ...]], args, worker, tag: str) -> list[dict]:
+    script, extra = recipe
     spec = importlib.util.spec_from_file_location(script.replace("-", "_"), ROOT / "recipes" / script)
     demo = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(demo)
@@ -36,7 +40,7 @@ def run(script: str, args, worker, tag: str) -> list[dict]:
         "--group-size", "8", "--max-tokens", "40", "--learning-rate", "2e-4", "--lora-rank", "16",
         "--seed", "0", "--eval-every", "0", "--swanlab-mode", "disabled",
         "--base-url", worker.base_url, "--api-key", worker.api_key,
-        "--log-dir", str(Path(args.log_root) / f"steps-{tag}-{script}"),
+        "--log-dir", str(Path(args.log_root) / f"steps-{tag}-{script}-{len(extra)}"), *extra,
     ])
     return summary["history"]
 
@@ -54,9 +58,15 @@ def main(argv=None) -> dict:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--settings", default="shared,unshared", help=f"comma-separated, from {sorted(SETTINGS)}")
     parser.add_argument("--log-root", default="/tmp/recipe_step_time")
+    parser.add_argument("--recipes", default=DEFAULT_RECIPES, help=f"comma-separated, from {sorted(RECIPES)} "
+                        "(with async-ahead the results go to recipe_step_time_off_policy.json)")
     args = parser.parse_args(argv)
     settings = [s for s in args.settings.split(",") if s]
     unknown = sorted(set(settings) - set(SETTINGS))
+    names = [name for name in args.recipes.split(",") if name]
+    if sorted(set(names) - set(RECIPES)) or "sync" not in names:
+        parser.error(f"--recipes: names from {sorted(RECIPES)}, sync among them (the baseline of the ratios)")
+    recipes = {name: RECIPES[name] for name in names}
     if unknown or args.steps < 2:
         parser.error(f"unknown settings {unknown}" if unknown else "--steps must be >= 2 (step 0 is not timed)")
     result: dict = {setting: {} for setting in settings}
@@ -64,27 +74,32 @@ def main(argv=None) -> dict:
     try:  # one worker per setting, all up at once; each recipe runs on every setting in turn, so load hits alike
         for setting in settings:
             workers[setting] = EmbeddedWorker(SETTINGS[setting])
-        for name, script in RECIPES.items():
+        for name, recipe in recipes.items():
             for setting in settings:
-                result[setting][name] = split(run(script, args, workers[setting], setting))
+                result[setting][name] = split(run(recipe, args, workers[setting], setting))
     finally:
         for worker in workers.values():
             worker.stop()
     for setting in settings:
         one = result[setting]
-        one["async_over_sync_step_time"] = one["async"]["time/step"] / one["sync"]["time/step"]
-        one["async_over_sync_sample_time"] = one["async"]["time/sample"] / one["sync"]["time/sample"]
-        print(f"{setting}: sync step {one['sync']['time/step']:.1f} s, async step {one['async']['time/step']:.1f} s "
-              f"(train {one['sync']['time/train']:.1f} / {one['async']['time/train']:.1f} s)", flush=True)
+        for name in recipes:
+            if name != "sync":
+                key = name.replace("-", "_")
+                one[f"{key}_over_sync_step_time"] = one[name]["time/step"] / one["sync"]["time/step"]
+                one[f"{key}_over_sync_sample_time"] = one[name]["time/sample"] / one["sync"]["time/sample"]
+        print(f"{setting}: " + ", ".join(f"{name} step {one[name]['time/step']:.1f} s (sample "
+                                         f"{one[name]['time/sample']:.1f}, train {one[name]['time/train']:.1f})"
+                                         for name in recipes), flush=True)
     if {"shared", "unshared"} <= set(result):
         result["shared_over_unshared"] = {
             f"{name}/{key}": result["shared"][name][key] / result["unshared"][name][key]
-            for name in RECIPES for key in ("time/step", "time/train")}
+            for name in recipes for key in ("time/step", "time/train")}
     if {"full", "checkpoint-only"} <= set(result):
         result["full_over_checkpoint_only"] = {
             f"{name}/{key}": result["full"][name][key] / result["checkpoint-only"][name][key]
-            for name in RECIPES for key in ("time/step", "time/train", "time/sample")}
-    save("recipe_step_time" if "full" not in result else "recipe_step_time_durability", result)
+            for name in recipes for key in ("time/step", "time/train", "time/sample")}
+    name = "recipe_step_time_durability" if "full" in result else "recipe_step_time"
+    save(name + ("_off_policy" if "async-ahead" in recipes else ""), result)
     return result
 
 

@@ -9,41 +9,20 @@ submit, once for the result).
     python recipes/02-demo-async.py --steps 10 --batch-size 4 --group-size 8 --max-tokens 512 \\
         --data-file ../shared/data/gsm8k --eval-every 5 --swanlab-mode local
 
+`--max-steps-off-policy 1` starts the next step's rollouts as soon as this step's update is submitted, from this
+step's sampler, so the worker decodes them while the script waits for the update: every step after the first
+trains on samples one update old (logged as `sampler/staleness`). The losses' importance ratio is
+exp(learner logprob - sampler logprob), with the sampler's logprobs in each datum, so they stay correctly weighted.
+
 With the same --seed, step 0 builds exactly the datums of the sync demo. The GRPO variants (`--advantage std`,
-`--loss-agg`, `--kl-coef`, `--clip-high`, `--dynamic-sampling`): recipes/grpo_variants.py.
+`--loss-agg`, `--kl-coef`, `--clip-high`, `--dynamic-sampling`): recipes/grpo_variants.py. Everything around
+the step (options, data, clients, evaluation, logs): recipes/grpo_demo.py.
 """
 
 import asyncio
 import time
 
-from grpo_lib import (
-    as_model_input,
-    EVAL_GRADERS,
-    PROMPTS,
-    MetricsLogger,
-    StepBatch,
-    StepStats,
-    batch_rows,
-    build_arg_parser,
-    countdown_parts,
-    countdown_reward,
-    eval_data_file,
-    evaluate_async,
-    extra_rows,
-    grade,
-    load_rows,
-    loss_fn_config,
-    make_custom_cispo_loss,
-    make_service_client,
-    num_steps,
-    ppo_bounds,
-    row_prompt,
-    resolve_log_dir,
-    sample_seed,
-    should_eval,
-    shuffle_rows,
-    stop_sequences,
-)
+from grpo_lib import Demo, StepStats, build_datum, completion_text, countdown_reward, grade, group_advantages
 from tqdm import tqdm
 
 import pytrio_compat as trio
@@ -52,121 +31,100 @@ import pytrio_compat as trio
 trio.configure(actor_event_wait_timeout=600, actor_event_request_timeout=600, timeout=600)
 
 
-async def run(args):
-    train_rows = shuffle_rows(load_rows(args.dataset, "train", args.data_file, seed=args.seed), args.seed)
-    eval_rows = (load_rows(args.dataset, "test", eval_data_file(args), n=args.eval_size)
-                 if args.eval_every > 0 else [])
-    total_steps = num_steps(args, len(train_rows))
-    log_dir = resolve_log_dir(args.log_dir)
-    print(f"{len(train_rows)} train rows, {total_steps} steps, logging to {log_dir}")
+async def rollouts(demo, sampler, rows, step, first=0):
+    """`group_size` completions for each row's prompt, every prompt in flight at once: (prompt, row, response)."""
+    prompts = [demo.prompt(row) for row in rows]
+    bar = tqdm(total=len(prompts), desc=f"step {step}", unit="prompt", leave=False)
 
-    service_client = make_service_client(args)
-    training_client = service_client.create_lora_training_client(
-        base_model=args.base_model, rank=args.lora_rank, seed=args.seed, train_unembed=args.train_unembed
-    )
-    tokenizer = training_client.get_tokenizer()
-    stop = stop_sequences(tokenizer)
-    fewshot, suffix = PROMPTS[args.dataset]  # the few-shot turns before each question, the answer format after it
-    # Reward: the boxed number against the answer's; countdown checks the boxed expression exactly and gives 0.1
-    # when it is well-formed but wrong. Evaluation counts right answers only.
-    reward = countdown_reward if args.dataset == "countdown" else grade
-    eval_grader = EVAL_GRADERS[args.dataset]
-    adam_params = trio.AdamParams(learning_rate=args.learning_rate, beta1=args.beta1, beta2=args.beta2,
-                                  eps=args.adam_eps)
-    config = {**vars(args), "script": "async", "num_steps": total_steps, "train_rows": len(train_rows)}
-    logger = MetricsLogger(log_dir, config, args.swanlab_mode, args.swanlab_project)
-    first_step_datums = None
-
-    async def sample_group(sampler, prompt, seed, bar):
-        params = trio.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                                     top_p=args.top_p, stop=stop, seed=seed)
-        result = await sampler.sample_async(prompt=as_model_input(prompt),
-                                            num_samples=args.group_size, sampling_params=params)
+    async def group(i, prompt):
+        result = await sampler.sample_async(prompt=demo.model_input(prompt), num_samples=demo.args.group_size,
+                                            sampling_params=demo.sampling_params(step, first + i))
         bar.update(1)
         return result
 
-    for step in range(total_steps):
-        stats = StepStats()
-        rows = batch_rows(train_rows, step, args.batch_size, args.all_data)
+    results = await asyncio.gather(*(group(i, prompt) for i, prompt in enumerate(prompts)))
+    bar.close()
+    return list(zip(prompts, rows, results))
 
-        # 1. A sampler that holds the current weights (on-policy sampling).
+
+async def run(demo):
+    args, training_client, tokenizer = demo.args, demo.training_client, demo.tokenizer
+    # Reward: the boxed number against the answer's (countdown: the boxed expression, 0.1 when only well-formed).
+    reward = countdown_reward if args.dataset == "countdown" else grade
+    ahead = None  # (the next step's rollouts, started while this step trained; the step whose weights sample them)
+
+    for step in range(demo.total_steps):
+        stats, extra = StepStats(), {}
+
+        # 1. A sampler that holds the current weights (the weights after `step` updates); greedy held-out
+        # accuracy now and then.
         with stats.timer("time/sync"):
             sampler = await training_client.save_weights_and_get_sampling_client_async()
-        metrics_extra = {}
-        if should_eval(args, step):
+        if demo.should_eval(step):
             with stats.timer("time/eval"):
-                metrics_extra["eval/accuracy"] = await evaluate_async(
-                    sampler, tokenizer, eval_rows, args.max_tokens, fewshot, suffix, eval_grader
-                )
+                extra["eval/accuracy"] = await demo.evaluate_async(sampler)
 
-        # 2. Rollouts: every prompt's group in flight at once; the bar advances as each group finishes.
-        async def rollouts(rows, first, sampler=sampler, step=step, stats=stats):
-            prompts = [row_prompt(tokenizer, row, fewshot, suffix) for row in rows]
-            bar = tqdm(total=len(prompts), desc=f"step {step}", unit="prompt", leave=False)
-            with stats.timer("time/sample"):
-                results = await asyncio.gather(*(
-                    sample_group(sampler, prompt, sample_seed(args.seed, step, first + i), bar)
-                    for i, prompt in enumerate(prompts)
-                ))
-            bar.close()
-            return list(zip(prompts, rows, results))
+        # 2. Rollouts: every prompt's group in flight at once, from this sampler (on-policy), or, with
+        # --max-steps-off-policy 1, the ones started from the previous step's sampler while that step trained.
+        with stats.timer("time/sample"):
+            if ahead is None:
+                ahead = (asyncio.create_task(rollouts(demo, sampler, demo.rows(step), step)), step)
+            task, sampled_at = ahead
+            groups, ahead = await task, None
+        staleness = step - sampled_at  # updates between the sampler's weights and the ones this step trains
+        assert 0 <= staleness <= args.max_steps_off_policy, (step, sampled_at)
 
-        # 3. Rewards -> group-relative advantages -> datums (groups with equal rewards teach nothing). With
-        # --dynamic-sampling, more prompts until batch-size groups have rewards that differ (grpo_variants.py).
-        batch = StepBatch(args, reward, tokenizer, stats, countdown_parts if args.dataset == "countdown" else None)
-        batch.add(await rollouts(rows, 0))
-        while missing := batch.missing():
-            batch.rounds += 1
-            more = extra_rows(train_rows, args.seed, step, batch.rounds, missing)
-            batch.add(await rollouts(more, batch.rounds * args.batch_size))
-        datums = batch.datums()
-        metrics_extra.update(batch.metrics())
-        if step == 0:
-            first_step_datums = datums
+        # 3. Rewards -> group-relative advantages -> datums. A group whose rewards are all equal has advantages
+        # of 0: it teaches nothing and is skipped.
+        if not demo.uses_variants:
+            datums = []
+            for prompt, row, result in groups:
+                rewards = [reward(completion_text(tokenizer, seq), row["answer"]) for seq in result.sequences]
+                stats.add_group(rewards, result.sequences, result.metrics)
+                if len(set(rewards)) == 1:
+                    continue
+                for seq, advantage in zip(result.sequences, group_advantages(rewards)):  # reward - group mean
+                    if seq.tokens:
+                        datums.append(build_datum(prompt, seq.tokens, seq.logprobs, advantage))
+        else:  # --advantage std, --loss-agg, --kl-coef, --dynamic-sampling; countdown, shapes: grpo_variants.py
+            batch = demo.variant_batch(reward, stats)
+            batch.add(groups)
+            while missing := batch.missing():  # --dynamic-sampling: more prompts until the batch is informative
+                batch.rounds += 1
+                more = demo.extra_rows(step, batch.rounds, missing)
+                with stats.timer("time/sample"):
+                    batch.add(await rollouts(demo, sampler, more, step, first=batch.rounds * args.batch_size))
+            datums = batch.datums()
+            extra.update(batch.metrics())
 
-        # 4. One update: submit forward_backward and optim_step (first await), then wait for both (second).
+        # 4. One update: submit forward_backward and optim_step (first await), then wait for both (second). With
+        # --max-steps-off-policy 1 the next step's rollouts start in between, from this step's sampler.
         fb_output = optim_output = None
-        if not datums:
-            print(f"step {step}: no datums: skipping update")
-        else:
-            with stats.timer("time/train"):
-                if args.loss_fn == "cispo" and args.custom_cispo:
-                    cispo = make_custom_cispo_loss(args.cispo_clip_low, args.cispo_clip_high)
-                    fb = await training_client.forward_backward_custom_async(datums, cispo)
+        with stats.timer("time/train"):
+            if datums:
+                if (custom_loss := demo.custom_loss()) is not None:  # --custom-cispo: the loss computed here
+                    fb = await training_client.forward_backward_custom_async(datums, custom_loss)
                 else:
                     fb = await training_client.forward_backward_async(datums, loss_fn=args.loss_fn,
-                                                                 loss_fn_config=loss_fn_config(args))
-                op = await training_client.optim_step_async(adam_params)
-                fb_output = await fb
-                optim_output = await op
-
-        bounds = (args.cispo_clip_low, args.cispo_clip_high) if args.loss_fn == "cispo" else None
-        logger.log({**stats.metrics(datums, fb_output, optim_output, bounds, ppo_bounds(args)), **metrics_extra},
-                   step=step)
+                                                                      loss_fn_config=demo.loss_fn_config())
+                op = await training_client.optim_step_async(demo.adam_params)
+            if args.max_steps_off_policy and step + 1 < demo.total_steps:
+                ahead = (asyncio.create_task(rollouts(demo, sampler, demo.rows(step + 1), step + 1)), step)
+            if datums:
+                fb_output, optim_output = await fb, await op
+            else:
+                print(f"step {step}: no datums: skipping update")
+        demo.log(step, stats, datums, fb_output, optim_output, {**extra, "sampler/staleness": float(staleness)})
 
     final_accuracy = None
     if args.eval_every > 0:
-        sampler = await training_client.save_weights_and_get_sampling_client_async()
-        final_accuracy = await evaluate_async(sampler, tokenizer, eval_rows, args.max_tokens, fewshot, suffix,
-                                              eval_grader)
-        logger.log({"eval/accuracy": final_accuracy}, step=total_steps)
-
+        final_accuracy = await demo.evaluate_async(await training_client.save_weights_and_get_sampling_client_async())
     final_path = (await (await training_client.save_weights_for_sampler_async(name="final"))).path
-    print(f"final sampler weights: {final_path}")
-    curves = logger.close()
-    return {
-        "history": logger.history,
-        "final_path": final_path,
-        "final_eval_accuracy": final_accuracy,
-        "first_step_datums": first_step_datums,
-        "log_dir": str(log_dir),
-        "curves": str(curves),
-    }
+    return demo.finish(final_path, final_accuracy)
 
 
 def main(argv=None):
-    args = build_arg_parser("GRPO demo, async client").parse_args(argv)
-    return asyncio.run(run(args))
+    return asyncio.run(run(Demo("GRPO demo, async client", argv, script="async")))
 
 
 if __name__ == "__main__":

@@ -30,9 +30,27 @@ def _greedy_params(tokenizer: Any, max_tokens: int) -> trio.SamplingParams:
     return trio.SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=stop_sequences(tokenizer))
 
 
-def _accuracy(tokenizer: Any, results: Sequence[Any], rows: Sequence[dict], grader: Grader) -> float:
+def accuracy(tokenizer: Any, results: Sequence[Any], rows: Sequence[dict], grader: Grader = grade) -> float:
+    """Fraction of `rows` whose greedy completion (`results[i].sequences[0]`) `grader` scores 1."""
     scores = [grader(completion_text(tokenizer, res.sequences[0]), row["answer"]) for res, row in zip(results, rows)]
     return sum(scores) / len(scores)
+
+
+def greedy_results(
+    sampling_client: Any, tokenizer: Any, rows: Sequence[dict], max_tokens: int,
+    fewshot: Sequence[dict] = FEWSHOT_PREFIX, suffix: str = QUESTION_SUFFIX,
+) -> list[Any]:
+    """One greedy completion per row: every request submitted, then each awaited (a SampleResponse per row).
+
+    The SamplingClient keeps `sampling_request_max_in_flight` of them running (16 by default) and the worker
+    decodes those as one batch, a request joining it as another ends; a problem's greedy tokens do not depend on
+    which others share its batch (tests/recipes/test_eval_batching.py). More in flight is slower on the local
+    worker, not faster: the evaluation is mostly prefill, one prompt at a time, and every request joining a
+    running batch copies its cache (docs/benchmarks.md, "Evaluation")."""
+    params = _greedy_params(tokenizer, max_tokens)
+    futures = [sampling_client.sample(prompt=p, num_samples=1, sampling_params=params)
+               for p in _prompts(tokenizer, rows, fewshot, suffix)]
+    return [fut.result() for fut in futures]
 
 
 def evaluate(
@@ -42,10 +60,8 @@ def evaluate(
     """Fraction of `rows` answered correctly with greedy decoding (all requests submitted, then awaited).
 
     `fewshot` and `suffix` make the prompt (`grpo_prompts.PROMPTS`), `grader` judges it (`EVAL_GRADERS`)."""
-    params = _greedy_params(tokenizer, max_tokens)
-    futures = [sampling_client.sample(prompt=p, num_samples=1, sampling_params=params)
-               for p in _prompts(tokenizer, rows, fewshot, suffix)]
-    return _accuracy(tokenizer, [fut.result() for fut in futures], rows, grader)
+    results = greedy_results(sampling_client, tokenizer, rows, max_tokens, fewshot, suffix)
+    return accuracy(tokenizer, results, rows, grader)
 
 
 async def evaluate_async(
@@ -56,7 +72,7 @@ async def evaluate_async(
     params = _greedy_params(tokenizer, max_tokens)
     results = await asyncio.gather(*(sampling_client.sample_async(prompt=p, num_samples=1, sampling_params=params)
                                      for p in _prompts(tokenizer, rows, fewshot, suffix)))
-    return _accuracy(tokenizer, results, rows, grader)
+    return accuracy(tokenizer, results, rows, grader)
 
 
 def should_eval(args: argparse.Namespace, step: int) -> bool:

@@ -10,7 +10,8 @@ Each concern lives in its own module, so it can be read and tested on its own (s
 * `grpo_variants` std-normalised advantages, loss aggregation by weights, the KL term, DAPO's dynamic sampling;
 * `grpo_data`     GSM8K (local file or hub), generated two-digit additions and Countdown, shuffling and batching;
 * `grpo_logging`  per-step metrics, metrics.jsonl / console / SwanLab, curves.png;
-* `grpo_eval`     greedy held-out accuracy.
+* `grpo_eval`     greedy held-out accuracy;
+* `grpo_demo`     what both demos set up around their step (`Demo`: options, data, clients, prompts, logs).
 
 Conventions (the same as the PyTRIO / Tinker cookbook GRPO recipes):
 * reward: 1.0 when the last `\\boxed{...}` of a completion equals the number after `#### ` in the GSM8K
@@ -47,12 +48,13 @@ from grpo_datums import (
     ratio_clip_fraction, ppo_clip_fraction, logprob_gap_max,
 )
 from grpo_data import (
-    HUB_HINT, DataUnavailableError, load_rows, eval_data_file, _load_hub_gsm8k, arithmetic_rows, shuffle_rows,
+    HUB_HINT, DataUnavailableError, load_rows, eval_data_file, arithmetic_rows, shuffle_rows,
     batch_rows,
 )
 from grpo_logging import (
     StepStats, PLOTTED, REWARD_WINDOW, MetricsLogger, curve_lines, moving_average, plot_curves,
 )
 from grpo_eval import (
-    EVAL_GRADERS, evaluate, evaluate_async, should_eval,
+    EVAL_GRADERS, accuracy, evaluate, evaluate_async, greedy_results, should_eval,
 )
+from grpo_demo import Demo

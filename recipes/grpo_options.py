@@ -15,10 +15,13 @@ from grpo_variants import add_variant_options, check_variant_options, policy_con
 LOSS_FNS = ("importance_sampling", "ppo", "cispo")
 SWANLAB_MODES = ("online", "local", "offline", "disabled")
 DATASETS = ("gsm8k", "arithmetic", "countdown", "shapes")
+MAX_STEPS_OFF_POLICY = 1  # the async demo samples the next step while this one trains: one step behind at most
 
 
 # Defaults that depend on --dataset. gsm8k: the upstream PyTRIO GSM8K demos. arithmetic: the CPU demo of
-# scripts/demo.sh, chosen from the measurements in docs/benchmarks.md ("Learning: recipe vs plain loop").
+# scripts/demo.sh, chosen from the measurements in docs/benchmarks.md ("Learning: recipe vs plain loop"); it
+# evaluates at the first and the last step only (an evaluation does not change the training, and each of its
+# 200 problems costs a prefill of the 160-token few-shot prompt: docs/benchmarks.md, "Evaluation").
 # countdown: the arithmetic settings with room for a worked answer and its boxed expression (the few-shot
 # answers are 32 and 50 SmolLM2 tokens); not tuned, and not shown to learn (TinyZero trained a 3B model on it).
 DATASET_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -27,7 +30,7 @@ DATASET_DEFAULTS: dict[str, dict[str, Any]] = {
               "eval_every": 0, "eval_size": 50},
     "arithmetic": {"base_model": "HuggingFaceTB/SmolLM2-135M-Instruct", "lora_rank": 16, "train_unembed": True,
                    "steps": 20, "group_size": 8, "max_tokens": 40, "learning_rate": 2e-4, "beta2": 0.95,
-                   "adam_eps": 1e-12, "eval_every": 10, "eval_size": 200},
+                   "adam_eps": 1e-12, "eval_every": 20, "eval_size": 200},
     "countdown": {"base_model": "HuggingFaceTB/SmolLM2-135M-Instruct", "lora_rank": 16, "train_unembed": True,
                   "steps": 20, "group_size": 8, "max_tokens": 96, "learning_rate": 2e-4, "beta2": 0.95,
                   "adam_eps": 1e-12, "eval_every": 10, "eval_size": 100},
@@ -47,8 +50,10 @@ class RecipeArgParser(argparse.ArgumentParser):
         for key, value in DATASET_DEFAULTS[parsed.dataset].items():
             if getattr(parsed, key, None) is None:
                 setattr(parsed, key, value)
-        if hasattr(parsed, "loss_agg"):
-            check_variant_options(self, parsed)
+        check_variant_options(self, parsed)
+        if not 0 <= parsed.max_steps_off_policy <= MAX_STEPS_OFF_POLICY:
+            self.error(f"--max-steps-off-policy must be 0 or {MAX_STEPS_OFF_POLICY} (a step's samples come from "
+                       f"the weights before at most that many optim steps), got {parsed.max_steps_off_policy}")
         return parsed, extras
 
 
@@ -109,6 +114,10 @@ def build_arg_parser(description: str) -> argparse.ArgumentParser:
                         f"{_default_help('eval_every')}")
     p.add_argument("--eval-size", type=int, default=None,
                    help=f"number of test questions per evaluation; {_default_help('eval_size')}")
+    p.add_argument("--max-steps-off-policy", type=int, default=0,
+                   help="02-demo-async.py: 1 starts sampling the next step while this step trains, from the "
+                        "weights before this step's update (one step off-policy; the loss's importance ratio is "
+                        "against the sampler's logprobs); 0 (default) samples every step from its own weights")
     add_variant_options(p)  # --advantage, --loss-agg, --kl-coef, --dynamic-sampling, ...: grpo_variants.py
     return p
 
@@ -148,8 +157,7 @@ def loss_fn_config(args: argparse.Namespace) -> dict[str, float] | None:
     config: dict = {}
     if args.loss_fn == "cispo":
         config = {"clip_low_threshold": args.cispo_clip_low, "clip_high_threshold": args.cispo_clip_high}
-    if hasattr(args, "loss_agg"):
-        config.update(policy_config(args))
+    config.update(policy_config(args))
     return config or None
 
 

@@ -28,6 +28,10 @@ import statistics
 import zlib
 from collections.abc import Sequence
 
+from grpo_datums import build_datum, group_advantages, is_degenerate
+from grpo_prompts import completion_text
+from shapes import counted
+
 ADVANTAGES = ("mean", "std")
 LOSS_AGGS = ("token-sum", "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -81,8 +85,6 @@ def group_advantages_std(rewards: Sequence[float]) -> list[float]:
 
 
 def advantages(rewards: Sequence[float], mode: str) -> list[float]:
-    from grpo_datums import group_advantages
-
     if mode == "mean":
         return group_advantages(rewards)
     if mode == "std":
@@ -118,8 +120,6 @@ def trains_equal_reward_groups(args: argparse.Namespace) -> bool:
 
 def build_step_datums(samples: Sequence[tuple], args: argparse.Namespace) -> list:
     """Datums of one step from (prompt tokens, sampled sequence, advantage) triples, weighted for --loss-agg."""
-    from grpo_datums import build_datum
-
     if not sends_weights(args):
         return [build_datum(p, s.tokens, s.logprobs, a) for p, s, a in samples]
     weights = aggregation_weights(args.loss_agg, [len(s.tokens) for _, s, _ in samples], args.max_tokens)
@@ -170,11 +170,6 @@ class StepBatch:
 
     def add(self, groups: Sequence[tuple]) -> None:
         """(prompt tokens, row, SampleResponse) per prompt."""
-        from grpo_datums import is_degenerate
-        from grpo_prompts import completion_text
-
-        from shapes import counted
-
         keep_equal = trains_equal_reward_groups(self.args)
         for prompt, row, result in groups:
             self.sampled += 1

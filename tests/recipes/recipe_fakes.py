@@ -3,6 +3,7 @@ twins, SampleResponse, ForwardBackwardOutput) without a worker, so each step's l
 
 from __future__ import annotations
 
+import asyncio
 import random
 import re
 
@@ -26,11 +27,13 @@ class FakeSampler:
 
     def __init__(self, service: FakeService) -> None:
         self.service = service
+        self.version = service.optim_steps  # the updates in the weights this sampler holds
 
     def _respond(self, prompt, num_samples, sampling_params) -> SampleResponse:
         tok = self.service.tokenizer
         self.service.sample_calls.append({"num_samples": num_samples, "params": sampling_params,
-                                          "prompt": list(prompt.to_ints())})
+                                          "prompt": list(prompt.to_ints()), "version": self.version,
+                                          "updates_done": self.service.updates_done})
         text = tok.decode(prompt.to_ints())
         matches = QUESTION.findall(text)
         a, b = (int(x) for x in matches[-1]) if matches else (0, 0)
@@ -62,6 +65,24 @@ class FakeSampler:
 
     def get_tokenizer(self):
         return self.service.tokenizer
+
+
+class Training:
+    """The future of an async training call: its result comes after a short wait, as if the worker were training
+    meanwhile (so work the script started before awaiting it runs first); an optim_step's counts in
+    `updates_done` once awaited."""
+
+    def __init__(self, service: FakeService, value) -> None:
+        self.service, self.value = service, value
+
+    def __await__(self):
+        async def wait():
+            await asyncio.sleep(0.005)
+            if isinstance(self.value, OptimStepResponse):
+                self.service.updates_done += 1
+            return self.value
+
+        return wait().__await__()
 
 
 class FakeTrainingClient:
@@ -110,6 +131,7 @@ class FakeTrainingClient:
 
     def optim_step(self, adam_params):
         self.service.calls.append(("optim_step", adam_params.learning_rate, None))
+        self.service.optim_steps += 1
         return APIFuture.completed(OptimStepResponse(metrics={"grad_norm": 0.5}))
 
     def save_weights_for_sampler(self, name, ttl_seconds=None):
@@ -117,13 +139,13 @@ class FakeTrainingClient:
         return APIFuture.completed(SaveWeightsForSamplerResponse(path=f"trio://fake/{name}", model="fake", size=0))
 
     async def forward_backward_async(self, *a, **k):
-        return self.forward_backward(*a, **k)
+        return Training(self.service, self.forward_backward(*a, **k).result())
 
     async def forward_backward_custom_async(self, *a, **k):
-        return self.forward_backward_custom(*a, **k)
+        return Training(self.service, self.forward_backward_custom(*a, **k).result())
 
     async def optim_step_async(self, *a, **k):
-        return self.optim_step(*a, **k)
+        return Training(self.service, self.optim_step(*a, **k).result())
 
     async def save_weights_for_sampler_async(self, *a, **k):
         return self.save_weights_for_sampler(*a, **k)
@@ -141,6 +163,8 @@ class FakeService:
         self.fb_datums: list[list] = []  # the datums of each forward_backward
         self.sample_calls: list[dict] = []
         self.snapshots = 0
+        self.optim_steps = 0  # optim_step calls so far (a sampler's `version` is this at its snapshot)
+        self.updates_done = 0  # optim_step results awaited through optim_step_async
         self.service_kwargs: dict | None = None
         self.training_kwargs: dict | None = None
         self.configure_kwargs: dict | None = None
