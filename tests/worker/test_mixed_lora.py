@@ -17,7 +17,7 @@ from server_mock.engine.adapter_pool import AdapterPool, prepare, rank_bucket
 from server_mock.engine.local_host import LocalModelHost
 from server_mock.engine.mixed_lora import MixedLoraDecoder
 from server_mock.engine.queue import Job, ModelQueue
-from server_mock.lora import LORA_ALPHA
+from server_mock.lora import LORA_ALPHA, Snapshot, model_layout
 from server_mock.sampling.generate import SampleSpec, generate_batch
 
 TOL = 1e-4
@@ -284,6 +284,45 @@ def test_a_batch_decodes_on_while_the_pool_evicts_its_adapters(tiny_model_dir):
     _drain(session, out)
     for handle, ref in zip(handles, solo):
         _check(out[handle], ref)
+
+
+def _random_snapshot(host: LocalModelHost, index: int, rank: int = 4) -> Snapshot:
+    """A snapshot built here from random tensors in PEFT's layout (no training run)."""
+    spec = LoraSpec(rank=rank)
+    targets = host.lora_targets(spec)
+    layout = model_layout(host.model, host._linear_groups)
+    gen = torch.Generator().manual_seed(5000 + index)
+    tensors = {}
+    for name in targets:
+        tensors[f"base_model.model.{name}.lora_A.weight"] = torch.randn(rank, layout[name].in_features,
+                                                                        generator=gen) * 0.3
+        tensors[f"base_model.model.{name}.lora_B.weight"] = torch.randn(layout[name].out_features, rank,
+                                                                        generator=gen) * 0.05
+    return Snapshot(f"random-{index}", spec, targets, tensors)
+
+
+def test_sixty_four_adapters_stay_resident_and_eight_share_one_batch(host):
+    """64 adapters resident in a pool of exactly their bytes (none evicted), 8 of them in one batch (one slot
+    each), each request with its solo tokens."""
+    snaps = [_random_snapshot(host, i) for i in range(64)]
+    size = prepare(snaps[0], torch.float32, "cpu").nbytes
+    host.adapter_pool = pool = AdapterPool(64 * size, torch.float32, "cpu")
+    try:
+        for snap in snaps:
+            pool.get(snap)
+        assert len(pool) == 64 and pool.stats.evictions == 0 and pool.nbytes == 64 * size
+        chosen = snaps[::8]
+        specs = [_spec(i, max_tokens=6, n=2) for i in range(len(chosen))]
+        solo = [_solo(host, w, s) for w, s in zip(chosen, specs)]
+        session = host.sampling_session(chosen[0])
+        handles = [session.add(specs[0])] + [session.add(s, w) for w, s in zip(chosen[1:], specs[1:])]
+        assert session.mixed.slots.used == 8 and pool.stats.loads == 64  # all were resident: no load
+        out: dict = {}
+        _drain(session, out)
+        for handle, ref in zip(handles, solo):
+            _check(out[handle], ref)
+    finally:
+        host.adapter_pool = AdapterPool(TrainOptions().adapter_pool_bytes, torch.float32, "cpu")
 
 
 def test_rank_buckets_at_their_edges():
