@@ -29,12 +29,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
+from torch import nn
 
 from benchmarks.common import SMOLLM2, few_shot_prompt, save
 from pytrio_compat.wire import LoraSpec
 from server_mock.config import TrainOptions
 from server_mock.engine.adapter_pool import AdapterPool
 from server_mock.engine.local_host import LocalModelHost
+from server_mock.lora import Snapshot, model_layout
 from server_mock.sampling.generate import SampleSpec
 
 ROWS, TOKENS = 8, 32
@@ -56,16 +58,20 @@ def random_smollm2(folder: Path) -> str:
 
 
 def _snapshots(host: LocalModelHost, n: int, rank: int, prefix: str = "run") -> list:
+    """``n`` snapshots of random LoRA weights in PEFT's layout on every layer a default LoraSpec covers (A as
+    PEFT initialises it, B the size some training gives: a fresh LoRA's B is zero)."""
+    spec = LoraSpec(rank=rank)
+    targets = host.lora_targets(spec)
+    layout = model_layout(host.model, host._linear_groups)
     out = []
     for i in range(n):
-        adapter = host.create_adapter(f"{prefix}-{rank}-{i}", LoraSpec(rank=rank, seed=i))
         gen = torch.Generator().manual_seed(1000 + i)
-        with torch.no_grad():  # a LoRA the size some training gives (a fresh one's B is zero)
-            for name, p in adapter.params.items():
-                if "lora_B" in name:
-                    p.copy_(torch.randn(p.shape, generator=gen) * 0.01)
-        out.append(host.snapshot(adapter))
-        host.drop_adapter(adapter.adapter_id)
+        tensors = {}
+        for name in targets:
+            n_in, n_out = layout[name].in_features, layout[name].out_features
+            tensors[f"base_model.model.{name}.lora_A.weight"] = torch.randn(rank, n_in, generator=gen) / n_in ** 0.5
+            tensors[f"base_model.model.{name}.lora_B.weight"] = torch.randn(n_out, rank, generator=gen) * 0.01
+        out.append(Snapshot(f"{prefix}-{rank}-{i}", spec, targets, tensors))
     return out
 
 
@@ -74,10 +80,34 @@ def _spec(prompt: list[int], i: int) -> SampleSpec:
                       stop_token_ids=[])
 
 
-def _session_run(host, first, requests) -> tuple[float, float, list[float]]:
+class PlainBase(nn.Module):
+    """The base model with its plain layers in place of PEFT's for each call (the no-adapter baseline: PEFT's
+    ``disable_adapter`` costs a pass over the modules per forward, which a batch without LoRA need not pay)."""
+
+    def __init__(self, host: LocalModelHost) -> None:
+        super().__init__()
+        self.inner = host.model
+        self.config = host.model.config
+        self._swaps = [(parent, attr, mixed.base) for parent, attr, mixed in host.mixed_decoder()._swaps]
+
+    def forward(self, *args, **kwargs):
+        saved = [(parent, attr, parent._modules[attr]) for parent, attr, _ in self._swaps]
+        try:
+            for parent, attr, plain in self._swaps:
+                parent._modules[attr] = plain
+            return self.inner(*args, **kwargs)
+        finally:
+            for parent, attr, module in saved:
+                parent._modules[attr] = module
+
+
+def _session_run(host, first, requests, model=None) -> tuple[float, float, list[float]]:
     """(wall s, decode s, per-request latency s) of one session given ``requests`` [(spec, snapshot)]."""
     started = time.perf_counter()
     session = host.sampling_session(first)
+    if model is not None:
+        session.model, session.merged = model, True  # kept for the session (as a merged decoder is)
+        session.batch.use_model(model)
     handles = {session.add(spec, snap): i for i, (spec, snap) in enumerate(requests)}
     latency = [0.0] * len(requests)
     while session.active:
@@ -101,7 +131,7 @@ def one_at_a_time(host, snaps, prompts):
 
 
 def no_adapter(host, snaps, prompts):
-    return _session_run(host, None, [(_spec(p, i), None) for i, p in enumerate(prompts)])
+    return _session_run(host, None, [(_spec(p, i), None) for i, p in enumerate(prompts)], PlainBase(host))
 
 
 def lone_mixed(host, snap, prompt):
@@ -172,14 +202,18 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--pool-adapters", type=int, default=64)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--no-invariant", dest="invariant", action="store_false",
+                        help="skip the --batch-invariant measurement")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
+    began = time.perf_counter()
     if args.model == "random-smollm2":
         import tempfile
 
         args.model = random_smollm2(Path(tempfile.mkdtemp()) / "smollm2-shape")
     host = LocalModelHost("smol", args.model, args.device, dtype, 8192, TrainOptions())
-    inv = LocalModelHost("smol", args.model, args.device, dtype, 8192, TrainOptions(batch_invariant=True))
+    inv = (LocalModelHost("smol", args.model, args.device, dtype, 8192, TrainOptions(batch_invariant=True))
+           if args.invariant else None)
     runs = [int(n) for n in args.runs.split(",")]
     questions = [f"What is {11 + 3 * i} + {20 + 7 * i}?" for i in range(max(runs))]
     if getattr(host.tokenizer, "chat_template", None):
@@ -190,18 +224,27 @@ def main() -> None:
     snaps = _snapshots(host, max(runs), args.rank)
     inv_snaps = snaps  # the same tensors: snapshots are plain data
     pool_snaps = _snapshots(host, args.pool_adapters + 1, 8, prefix="pool")
+    print(f"{time.perf_counter() - began:.0f}s set up", flush=True)
     with torch.no_grad():
         lone = {"merged": [], "mixed_one_slot": []}
         table = {n: {"mixed": [], "one_at_a_time": [], "no_adapter": [], "batch_invariant": []} for n in runs}
         _session_run(host, snaps[0], [(_spec(prompts[0], 0), snaps[0])])  # warm up
         for _ in range(args.rounds):
-            lone["merged"].append(_session_run(host, snaps[0], [(_spec(prompts[0], 0), snaps[0])]))
-            lone["mixed_one_slot"].append(lone_mixed(host, snaps[0], prompts[0]))
+            for _ in range(3):  # short: three each a round
+                lone["merged"].append(_session_run(host, snaps[0], [(_spec(prompts[0], 0), snaps[0])]))
+                lone["mixed_one_slot"].append(lone_mixed(host, snaps[0], prompts[0]))
+            print("lone", [round(v[0], 3) for v in lone["merged"]], [round(v[0], 3) for v in lone["mixed_one_slot"]],
+                  flush=True)
             for n in runs:
                 for mode, fn in (("mixed", mixed), ("one_at_a_time", one_at_a_time), ("no_adapter", no_adapter)):
                     table[n][mode].append(fn(host, snaps[:n], prompts[:n]))
-                if n == 8:
+                if n == 8 and args.invariant:
                     table[n]["batch_invariant"].append(mixed(inv, inv_snaps[:n], prompts[:n]))
+                print(f"{time.perf_counter() - began:.0f}s runs", n,
+                      {mode: [round(v[1], 3) for v in vals] for mode, vals in table[n].items()},
+                      flush=True)  # decode seconds so far, per mode
+                if args.out:  # what is measured so far, in case the run is cut short
+                    Path(args.out + ".partial").write_text(repr({k: v for k, v in table.items()}))
         profiles = {}
         if args.device == "cpu" and max(runs) >= 8:  # CPU self time by op (a GPU's kernels run asynchronously)
             profiles = {"mixed_8x8": profile_step(host, snaps[:8], prompts[:8], "mixed 8x8"),
