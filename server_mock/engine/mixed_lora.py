@@ -133,6 +133,7 @@ class _Plan:
     groups: int = 0
     width: int = 0
     positions: list[int] = field(default_factory=list)  # each row's place in the (groups x width) layout
+    in_place: bool = False  # every row already at its place (rows slot after slot, ``width`` each)
     _index: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     def index(self, tokens: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -231,6 +232,10 @@ class _MixedLinear(nn.Module):
         if x.shape[0] != plan.rows:
             raise ValueError(f"a mixed-adapter forward got {x.shape[0]} rows for {plan.rows} row adapters")
         flat = x.reshape(-1, x.shape[-1]).to(a_all.dtype)
+        if plan.in_place:  # the rows already lie slot after slot, as many for each: a view, no gather
+            padded = flat.view(plan.groups, flat.shape[0] // plan.groups, -1)
+            delta = torch.bmm(torch.bmm(padded, a_all[:plan.groups]), b_all[:plan.groups])
+            return y + delta.view(*y.shape[:-1], -1).to(y.dtype)
         pad, unpad = plan.index(flat.shape[0] // plan.rows, x.device)
         width = pad.shape[0] // plan.groups
         padded = flat.index_select(0, pad).view(plan.groups, width, -1)
@@ -308,7 +313,8 @@ class MixedLoraDecoder(nn.Module):
         for slot in slots:
             positions.append(slot * width + seen[slot])
             seen[slot] += 1
-        self.plan = _Plan(rows=len(slots), groups=len(counts), width=width, positions=positions)
+        self.plan = _Plan(rows=len(slots), groups=len(counts), width=width, positions=positions,
+                          in_place=positions == list(range(len(slots))) and len(counts) * width == len(slots))
 
     # --- the forward call ----------------------------------------------------------------------------------
 

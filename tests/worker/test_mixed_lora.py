@@ -172,6 +172,18 @@ def test_the_stacked_product_equals_an_independent_lora_per_row(host, snaps):
             assert torch.allclose(got[r].double(), want, atol=1e-5)
     with pytest.raises(ValueError, match="rows"):
         layer(x[:5])
+    # rows already slot after slot, as many each: the in-place layout (no gather), the same numbers
+    rows = ["s0", "s0", "s1", "s1", "s2", "s2"]
+    decoder.select_rows(rows, list(range(len(rows))))
+    assert decoder.plan.in_place
+    with torch.no_grad():
+        got = layer(x)
+        for r, key in enumerate(rows):
+            snap = snaps[int(key[1])]
+            a = snap.tensors[f"base_model.model.{name}.lora_A.weight"].double()
+            b = snap.tensors[f"base_model.model.{name}.lora_B.weight"].double()
+            want = (base(x[r]).double() + (LORA_ALPHA / snap.spec.rank) * (x[r].double() @ a.t() @ b.t()))
+            assert torch.allclose(got[r].double(), want, atol=1e-5)
 
 
 def test_batch_invariant_mode_is_bit_identical_to_solo(tiny_model_dir):
