@@ -400,6 +400,14 @@ class TrainOptions:
                                                    "of a float32 model (each snapshot's LoRA merged into a copy of "
                                                    "the layers it adapts: faster decode steps, logprobs the same to "
                                                    "~1e-7); 0 decodes unmerged", minimum=0, metavar="BYTES")
+    # sample requests for different adapters of one base model decoded as one batch (engine/mixed_lora.py)
+    adapter_pool_bytes: int = setting(2 * 1024 ** 3, "bytes of sampler adapters kept ready for mixed-adapter decode "
+                                                     "batches (engine/adapter_pool.py: least recently used evicted "
+                                                     "first, loaded again on demand); 0 decodes each adapter's "
+                                                     "requests in batches of their own", minimum=0, metavar="BYTES")
+    batch_invariant: bool = setting(False, "decode every sample request with per-request matmul shapes, so its "
+                                           "tokens and logprobs are bit-identical whichever requests share its "
+                                           "batch (slower: see docs/benchmarks.md)")
     # an image-text model's vision tower is frozen by default (lora.linear_groups); PEFT adapts its Linear layers too
     lora_vision_tower: bool = setting(False, "LoRA also covers an image-text model's vision tower and projector (its "
                                              "attention layers with train_attn, the rest with train_mlp); by default "

@@ -23,7 +23,9 @@ from server_mock.config import TrainOptions
 from server_mock.engine import support
 from server_mock.engine.host import ModelFacts
 from server_mock.engine.loading import load_model_and_tokenizer
+from server_mock.engine.adapter_pool import AdapterPool
 from server_mock.engine.merged_lora import MergedDecoder, merged_bytes
+from server_mock.engine.mixed_lora import MixedLoraDecoder
 from server_mock.engine.sampling_session import SamplingSession
 from server_mock.engine.vision import ImageProcessing, batch_image_inputs, is_image_text, load_image_processing
 from server_mock.engine.vision_probe import probe_image_decoding
@@ -71,6 +73,9 @@ class LocalModelHost(ModelFacts):
         self._base_only: _BaseOnly | None = None
         self._merged: dict[str, tuple[MergedDecoder, int]] = {}  # snapshot id -> merged decoder, its bytes
         self._static: dict[int, tuple[nn.Module, StaticSteps]] = {}  # by sampling model
+        self.adapter_pool = (AdapterPool(options.adapter_pool_bytes, dtype, device)
+                             if options.adapter_pool_bytes > 0 else None)
+        self.batch_invariant = options.batch_invariant and self.adapter_pool is not None
 
     def _load_vision(self) -> tuple[ImageProcessing | None, str | None]:
         """An image-text model's image processing, and why images cannot be served on it (None: they can)."""
@@ -283,6 +288,16 @@ class LocalModelHost(ModelFacts):
     def sampling_session(self, snapshot: Snapshot | None) -> SamplingSession:
         """A decode batch for these weights that the model queue runs in slices and adds requests to."""
         return SamplingSession(self, snapshot)
+
+    @property
+    def can_mix(self) -> bool:
+        """Whether a decode batch may hold rows of different adapters (``mixed_decoder``)."""
+        return self.adapter_pool is not None and self.sampling_support.padded_batch
+
+    def mixed_decoder(self) -> MixedLoraDecoder:
+        """A decoder for one batch whose rows use different adapters (engine/mixed_lora.py), its adapters from
+        the host's ``adapter_pool``."""
+        return MixedLoraDecoder(self.model, list(self._linear_groups), self.adapter_pool, self.batch_invariant)
 
     def static_steps(self, model: nn.Module) -> StaticSteps | None:
         """The fixed-shape (CUDA graph) decode steps of a sampling model, kept per model: None unless

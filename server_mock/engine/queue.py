@@ -42,6 +42,9 @@ class Job:
     payload: Any = None
     batch_fn: Callable[[list[Any]], list[dict]] | None = None
     batch_cost: int = 0
+    # Jobs with the same mix_key may join a running decode batch of other weights, where that batch can hold rows
+    # of several (``Decoding.mixes``): the same base model, and the same tenant unless tenants may share a batch.
+    mix_key: str | None = None
     # Where the host decodes in slices: opens a Decoding for this job's weights (None: batch_fn runs the batch).
     open_decode: Callable[[], "Decoding | None"] | None = None
     # The submitter's conversion of the result to its wire form, run once on the model thread (None: as is).
@@ -70,6 +73,11 @@ class Decoding(Protocol):
 
     @property
     def active(self) -> bool: ...
+
+    @property
+    def mixes(self) -> bool:
+        """Whether jobs for other weights (of the same ``mix_key``) can join this batch."""
+        ...
 
     def can_add(self) -> bool: ...
 
@@ -124,6 +132,10 @@ class _Session:
     decoding: Decoding
     jobs: dict[int, Job] = field(default_factory=dict)
     cost: int = 0
+    mix: str | None = None  # jobs of this mix key join it whatever their weights (a mixed-adapter batch)
+
+    def takes(self, job: Job) -> bool:
+        return job.batch_key == self.key or (self.mix is not None and job.mix_key == self.mix)
 
 
 class ModelQueue:
@@ -142,7 +154,8 @@ class ModelQueue:
     the session resumes at its owner's next turn, before the owner's next job), and a job for the same weights
     queued while it decodes joins it at its next step (continuous admission, within the token budget). So a
     tenant waits for at most one slice of another's long decode, not for all of it; each job's result is
-    delivered as soon as its own rows end.
+    delivered as soon as its own rows end. A session that can hold rows of several adapters (``Decoding.mixes``)
+    also admits, the same way, queued jobs of its ``mix_key`` whatever their weights.
 
     A job that can pause between its parts (``Job.open_steps``: a long forward/backward, paused between
     micro-batches) runs the same way: for ``slice_seconds`` at a time when other owners wait, resumed at its
@@ -170,6 +183,7 @@ class ModelQueue:
         self._sessions: dict[str, _Session] = {}  # by owner: a decode batch to resume at the owner's turn
         self._stepping: dict[str, _Steps] = {}  # by owner: a job running in slices, to resume at its turn
         self._keys_queued: collections.Counter[str] = collections.Counter()  # queued jobs by batch key
+        self._mix_queued: collections.Counter[str] = collections.Counter()  # queued jobs by mix key
         self._cond = threading.Condition()
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name=f"model-{name}", daemon=True)
@@ -185,6 +199,8 @@ class ModelQueue:
             lane.append(job)
             if job.batch_key is not None:
                 self._keys_queued[job.batch_key] += 1
+            if job.mix_key is not None:
+                self._mix_queued[job.mix_key] += 1
             self._cond.notify()
 
     def position(self, request_id: str) -> int | None:
@@ -266,6 +282,8 @@ class ModelQueue:
             self._drop_lane(owner)
         if job.batch_key is not None:
             self._keys_queued[job.batch_key] -= 1
+        if job.mix_key is not None:
+            self._mix_queued[job.mix_key] -= 1
 
     def _next_turn(self) -> tuple[str, Job | None] | None:
         """The next owner's turn: its session to resume (job None) or its lane's next job (taken off)."""
@@ -284,13 +302,15 @@ class ModelQueue:
             self._pop(owner, head)
             return owner, head
 
-    def _joiners(self, key: str, budget: int) -> list[Job]:
-        """Take every queued job with batch key ``key`` that fits ``budget`` (lane order, then job order)."""
+    def _joiners(self, key: str, budget: int, session: _Session | None = None) -> list[Job]:
+        """Take every queued job with batch key ``key`` (or that ``session`` takes) that fits ``budget`` (lane
+        order, then job order)."""
         group = []
         with self._cond:
             for owner in list(self._lanes):
                 for job in list(self._lanes[owner]):
-                    if job.batch_key == key and job.batch_cost <= budget:
+                    fits = job.batch_key == key if session is None else session.takes(job)
+                    if fits and job.batch_cost <= budget:
                         group.append(job)
                         budget -= job.batch_cost
                         self._pop(owner, job)
@@ -337,7 +357,8 @@ class ModelQueue:
                 self._start(group)
                 self._run_batch(group)
                 continue
-            session = _Session(owner, head.batch_key, decoding)
+            session = _Session(owner, head.batch_key, decoding,
+                               mix=head.mix_key if getattr(decoding, "mixes", False) else None)
             with self._cond:
                 self._sessions[owner] = session
                 self._lanes.setdefault(owner, collections.deque())
@@ -350,7 +371,7 @@ class ModelQueue:
         with self._cond:
             sessions = list(self._sessions.values())
         for session in sessions:
-            if (session.key == job.batch_key and session.cost + job.batch_cost <= self.batch_token_budget
+            if (session.takes(job) and session.cost + job.batch_cost <= self.batch_token_budget
                     and session.decoding.can_add()):
                 return session
         return None
@@ -403,8 +424,13 @@ class ModelQueue:
         started = time.monotonic()
         seen = 0  # queued jobs for these weights that did not fit at the last admission
 
+        def queued() -> int:
+            if session.mix is not None:
+                return self._mix_queued.get(session.mix, 0)
+            return self._keys_queued.get(session.key, 0)
+
         def arrivals() -> bool:
-            return self._keys_queued.get(session.key, 0) > seen and session.decoding.can_add()
+            return queued() > seen and session.decoding.can_add()
 
         def turn_over() -> bool:
             return self._turn_over(session.owner, started)
@@ -425,9 +451,9 @@ class ModelQueue:
 
         while True:
             if arrivals():
-                for job in self._joiners(session.key, self.batch_token_budget - session.cost):
+                for job in self._joiners(session.key, self.batch_token_budget - session.cost, session):
                     self._add(session, job)
-            seen = self._keys_queued.get(session.key, 0)
+            seen = queued()
             self.observer.batch(list(session.jobs.values()))
             stepped = False
             try:

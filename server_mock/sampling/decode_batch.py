@@ -104,6 +104,7 @@ class _Request:
     open_rows: int = 0
     prefill_s: float = 0.0
     decode_started: float = 0.0  # the batch's decode clock when the request's rows started
+    tag: str = ""  # the weights its rows decode with, for a model that serves rows of several (``select_rows``)
 
 
 @dataclass
@@ -201,8 +202,14 @@ class DecodeBatch:
 
     # --- admitting requests ------------------------------------------------------------------------------------
 
-    def admit(self, specs: list) -> list[int]:
-        """Queue requests into the batch; they are prefilled now where the batch can take them. Their handles."""
+    def use_model(self, model) -> None:
+        """Decode on ``model`` from the next step on (the cache and every row stay); fixed-shape steps end."""
+        self._leave_static()
+        self.static, self.model = None, model
+
+    def admit(self, specs: list, tag: str = "") -> list[int]:
+        """Queue requests into the batch; they are prefilled now where the batch can take them. Their handles.
+        ``tag``: which weights their rows use where the model decodes rows of several (``select_rows``)."""
         handles = []
         for spec in specs:
             handle = len(self.requests)
@@ -211,7 +218,7 @@ class DecodeBatch:
             # a newly completed stop string lies in the last (its byte length) tokens, each token >= 1 byte; a
             # few extra tokens cover decoders that strip a leading space
             window = max((len(s.encode("utf-8")) for s in stops), default=0) + 4
-            request = _Request(spec, [], stops, window)
+            request = _Request(spec, [], stops, window, tag=tag)
             for r in range(spec.num_samples):
                 gen = None
                 if spec.temperature != 0:
@@ -260,6 +267,7 @@ class DecodeBatch:
                 raise ValueError("a prompt with images needs the model's image processing")
             images = prompt_images.prefill(self.vision, prefill_specs, ids, mask, positions,
                                            [len(p) for p in prompts])
+        self._select_rows(list(handles) if self.support.shared_prefix else [self.rows[r].request for r in new_rows])
         if images is None:
             logits, cache = forward(self.model, ids, None, 0 if want_prompt else 1, mask, positions)
         else:
@@ -431,6 +439,7 @@ class DecodeBatch:
         positions = None if part.positions is None else part.positions[:, None]
         if self._images and positions is not None and self.vision.family.mrope:
             positions = positions[None].expand(3, -1, -1)  # text continues on all three M-RoPE axes
+        self._select_rows([self.rows[r].request for r in part.rows], [not self.rows[r].done for r in part.rows])
         logits, part.cache = forward(self.model, feed[:, None], part.cache, 1, part.mask, positions)
         part.step_logits = logits[:, -1, :].float()
         part.columns += 1
@@ -444,6 +453,14 @@ class DecodeBatch:
             self.static.active, self._in_static = None, False
         self._part = None
         self._prefill_waiting()
+
+    def _select_rows(self, handles: list[int], live: list[bool] | None = None) -> None:
+        """Tell a model that serves rows of several weights (``select_rows``) each row's tag and request (-1 for a
+        row whose output is unread)."""
+        select = getattr(self.model, "select_rows", None)
+        if select is not None:
+            live = live or [True] * len(handles)
+            select([self.requests[h].tag for h in handles], [h if ok else -1 for h, ok in zip(handles, live)])
 
     def _record(self, r: int, token: int, logprob: float) -> bool:
         """Append a row's token; whether the row goes on generating."""

@@ -228,7 +228,11 @@ class Samplers:
                 raise storage_error("sample", exc) from exc
             job.on_result = self._record_result
         job.batch_key = batch_key
-        job.payload = (spec, return_text)
+        # other adapters of the base model may share a running batch: the tenant's own, or any tenant's when
+        # tenants may share batches (engine/mixed_lora.py; the batch decides whether it can hold them)
+        job.mix_key = (f"{sampler.base_model}" if self.limits.batch_across_tenants
+                       else f"{tenant}|{sampler.base_model}")
+        job.payload = (spec, return_text, load)
         job.batch_fn = lambda payloads: _sample_batch(host, load(), payloads)
         job.batch_cost = spec.num_samples * (len(spec.prompt_tokens) + spec.max_tokens)
         job.rows = spec.num_samples
@@ -281,11 +285,16 @@ class _SampleDecoding:
     def active(self) -> bool:
         return self.session.active
 
+    @property
+    def mixes(self) -> bool:
+        return self.session.can_mix
+
     def can_add(self) -> bool:
         return self.session.can_add()
 
-    def add(self, payload: tuple[SampleSpec, bool]) -> int:
-        handle = self.session.add(payload[0])
+    def add(self, payload: tuple) -> int:
+        """Prefill ``(spec, return_text, load)`` into the batch (``load`` gives its weights, on this thread)."""
+        handle = self.session.add(payload[0], payload[2]())
         self.payloads[handle] = payload
         return handle
 
@@ -298,19 +307,20 @@ class _SampleDecoding:
                 for handle, result, timings in finished]
 
 
-def _sample_batch(host: ModelHost, snapshot: Snapshot | None, payloads: list[tuple[SampleSpec, bool]]) -> list[dict]:
-    """Run one or more sample requests for the same weights as one decoding batch."""
+def _sample_batch(host: ModelHost, snapshot: Snapshot | None, payloads: list[tuple]) -> list[dict]:
+    """Run one or more sample requests (``(spec, return_text, ...)``) for the same weights as one decoding batch."""
     timings: dict[str, float] = {}
-    results = host.sample_batch(snapshot, [spec for spec, _ in payloads], timings)
+    results = host.sample_batch(snapshot, [payload[0] for payload in payloads], timings)
     crash_points.reached("sample")  # (kill tests) the tokens generated, nothing answered
     return _sample_dicts(host, payloads, results, timings, len(payloads))
 
 
-def _sample_dicts(host: ModelHost, payloads: list[tuple[SampleSpec, bool]], results: list, timings: dict[str, float],
+def _sample_dicts(host: ModelHost, payloads: list[tuple], results: list, timings: dict[str, float],
                   batch_requests: int) -> list[dict]:
     """Each request's result dict: its sequences, prompt logprobs, token counts and the batch's timings."""
     out = []
-    for (spec, return_text), result in zip(payloads, results):
+    for payload, result in zip(payloads, results):
+        spec, return_text = payload[0], payload[1]
         sequences = [
             {"stop_reason": s.stop_reason, "tokens": s.tokens, "logprobs": s.logprobs,
              "text": host.tokenizer.decode(s.tokens, skip_special_tokens=True) if return_text else None}

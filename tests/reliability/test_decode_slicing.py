@@ -224,8 +224,9 @@ def test_a_short_sample_does_not_wait_for_another_tenants_longest_request(tiny_m
         assert a.get(f"/v1/requests/{a_id}").json()["status"] == "running"
         for mine, solo in zip(got, alone):
             assert [s["tokens"] for s in mine["sequences"]] == [s["tokens"] for s in solo["sequences"]]
-        # A's request alone is over the batch token budget, so neither joined its batch: each decoded in turn
-        assert [r["metrics"]["batch_requests"] for r in got] == [1.0, 1.0]
+        # A's request alone is over the batch token budget, so neither joined its batch (that would count 3); B's
+        # two (the base model and its adapter) may share one mixed-adapter batch of B's own
+        assert [r["metrics"]["batch_requests"] for r in got] in ([1.0, 1.0], [2.0, 2.0])
 
 
 @pytest.mark.parametrize("across", [True, False], ids=["batch-across-tenants", "per-tenant-batches"])
