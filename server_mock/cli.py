@@ -115,6 +115,14 @@ def check_limits(limits: Limits) -> str | None:
 
 
 def serve(args: argparse.Namespace) -> None:
+    server, sock = build_server(args)
+    server.run(sockets=[sock])
+
+
+def build_server(args: argparse.Namespace):
+    """Everything ``serve`` does before it answers: keys, limits, the service and its app, bound to its socket
+    (written to --port-file). The uvicorn server and the socket, for ``server.run(sockets=[sock])``; exits naming
+    the problem on a bad flag."""
     keys = list(args.api_key) + [k for k in os.environ.get("PYTRIO_WORKER_API_KEYS", "").split(",") if k]
     key_budgets, key_weights = {}, {}  # key -> its own tokens_per_minute, its weight in the fair share
     for path in args.api_key_file:
@@ -210,7 +218,7 @@ def serve(args: argparse.Namespace) -> None:
     logging.getLogger("server_mock").info("serving %s on http://%s:%d (storage %s, device %s)",
                                           ", ".join(n for n, _ in args.model) or "models on demand", args.host, port,
                                           args.storage, device)
-    server.run(sockets=[sock])
+    return server, sock
 
 
 def _room_for_connections(wanted: int) -> int:

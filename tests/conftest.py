@@ -1,4 +1,5 @@
-"""Shared fixtures: one tiny random model on disk and one real worker serving it over HTTP."""
+"""Shared fixtures: one tiny random model on disk and its tokenizer, the session's workers (one per set of flags,
+``worker_factory``), and the keyless worker serving the tiny model over HTTP (``worker``)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,26 @@ def tiny_model_dir(tmp_path_factory):
     from server_mock.engine.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    """The tiny models' tokenizer (``build_tiny_tokenizer``: 512 tokens, ChatML), built once per session. Shared:
+    a test that changes it (its chat template, its special tokens) works on a copy."""
+    from server_mock.engine.tiny_model import build_tiny_tokenizer
+
+    return build_tiny_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def worker_factory(tiny_model_dir, tmp_path_factory):
+    """``worker_factory(*flags, api_keys=..., process=False)``: a worker of the tiny model with those flags, shared
+    by every test of the session that asks for the same ones (``support.WorkerFactory``)."""
+    from support import WorkerFactory
+
+    factory = WorkerFactory(tiny_model_dir, tmp_path_factory.mktemp("workers"))
+    yield factory
+    factory.close()
 
 
 @pytest.fixture(scope="session")

@@ -1,11 +1,16 @@
-"""Test helpers: a real worker in a child process, on a free loopback port; an SDK client of it; a trained run."""
+"""Test helpers: a real worker, in a child process or in this process, on a free loopback port; workers shared by
+flags (``WorkerFactory``); an SDK client of a worker; a trained run."""
 
 from __future__ import annotations
 
+import atexit
+import json
+import logging
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -17,13 +22,83 @@ import pytrio_compat as trio
 
 REPO = Path(__file__).resolve().parents[1]
 
+# What a child interpreter imports before it knows its arguments: the libraries the worker needs, never the worker
+# itself (server_mock reads PYTRIO_WORKER_CRASH_AT and the fault switch when it is imported). Then one line on stdin,
+# {"argv", "env", "log"}: the whole environment to run with, and the file for its output.
+_WARM_CHILD = """
+import torch, transformers, peft, uvicorn, starlette.applications, safetensors.torch, numpy, pydantic, msgpack
+from transformers import AutoModelForCausalLM, AutoTokenizer
+import json, os, sys
+line = sys.stdin.readline()
+if not line.strip():
+    sys.exit(0)
+message = json.loads(line)
+log = os.open(message["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+os.dup2(log, 1)
+os.dup2(log, 2)
+os.environ.clear()
+os.environ.update(message["env"])
+from server_mock.cli import main
+main(message["argv"])
+"""
+
+
+class _WarmChildren:
+    """One spare interpreter with the libraries already imported, so that a ``warm`` worker process listens in about
+    a second instead of the 4 s a cold ``python -m server_mock`` spends importing torch and transformers on a
+    2-core machine; the next spare starts importing as soon as one is taken. Environment variables that a library
+    reads when it is imported (OMP_NUM_THREADS) come from when the spare was started. The spare is made after a
+    warm worker answers (``prepare``), so that it never competes with the start it is meant to shorten."""
+
+    def __init__(self) -> None:
+        self._spare: subprocess.Popen | None = None
+        self._lock = threading.Lock()
+
+    def _spawn(self) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", _WARM_CHILD], cwd=REPO, stdin=subprocess.PIPE,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def run(self, argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+        with self._lock:
+            child = self._spare if self._spare is not None and self._spare.poll() is None else self._spawn()
+            self._spare = None
+        child.stdin.write((json.dumps({"argv": argv, "env": env, "log": str(log)}) + "\n").encode())
+        child.stdin.close()
+        return child
+
+    def prepare(self) -> None:
+        with self._lock:
+            if self._spare is None or self._spare.poll() is not None:
+                self._spare = self._spawn()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._spare is not None:
+                self._spare.stdin.close()  # an empty line: the spare exits
+                try:
+                    self._spare.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    self._spare.kill()
+                self._spare = None
+
+
+WARM_CHILDREN = _WarmChildren()
+atexit.register(WARM_CHILDREN.close)
+
 
 class WorkerProcess:
+    """A worker in a child process: ``python -m server_mock serve`` with these arguments. With ``warm=True`` the
+    child is an interpreter that imported the libraries ahead of time (``_WarmChildren``): the same worker and the
+    same process semantics (its own pid, SIGKILL, a fresh import of the worker), started sooner, but its command
+    line shows none of the arguments, so a test that reads /proc/PID/cmdline starts it cold."""
+
     def __init__(self, model_dir: Path, storage: Path, *extra: str, api_keys: list[str] | None = None,
-                 model_name: str = "tiny") -> None:
+                 model_name: str = "tiny", env: dict[str, str] | None = None, warm: bool = False) -> None:
         self.model_dir, self.storage, self.extra = model_dir, storage, extra
         self.api_keys = api_keys or []
         self.model_name = model_name
+        self.env = env or {}
+        self.warm = warm
         self.process: subprocess.Popen | None = None
         self.base_url = ""
 
@@ -35,7 +110,11 @@ class WorkerProcess:
         for key in self.api_keys:
             cmd += ["--api-key", key]
         self.log = open(self.storage.parent / "worker.log", "ab")
-        self.process = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT)
+        if self.warm:
+            self.process = WARM_CHILDREN.run(cmd[3:], {**os.environ, **self.env}, self.storage.parent / "worker.log")
+        else:
+            self.process = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
+                                            env={**os.environ, **self.env} if self.env else None)
         deadline = time.monotonic() + 60
         while not (port_file.exists() and port_file.read_text().strip()):
             if self.process.poll() is not None or time.monotonic() > deadline:
@@ -51,6 +130,8 @@ class WorkerProcess:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.05)
+        if self.warm:
+            WARM_CHILDREN.prepare()
         return self
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
@@ -71,10 +152,129 @@ class WorkerProcess:
         return self.process is not None and self.process.poll() is None
 
 
+def serve_argv(model_dir: Path, storage: Path, extra: tuple[str, ...], api_keys: list[str],
+               model_name: str, port: int = 0) -> list[str]:
+    """``pytrio-worker serve`` arguments for a worker of ``model_dir`` (as ``model_name``) on ``port`` (0: a free
+    one)."""
+    argv = ["serve", "--model", f"{model_name}={model_dir}", "--port", str(port), "--storage", str(storage),
+            "--log-level", "WARNING", *extra]
+    for key in api_keys:
+        argv += ["--api-key", key]
+    return argv
+
+
+class InProcessWorker:
+    """A worker in this process, with ``WorkerProcess``'s arguments: the CLI's own server (``build_server``, so the
+    same flags, keys and limits) run by uvicorn on a thread, on a free loopback port, over real HTTP. It starts in
+    a fraction of a second where a child process first imports torch and transformers again (about 4 s on a
+    2-core machine), so it is the worker for every test where a separate process is not the point; a test that
+    kills the worker, reads its memory or its process list uses ``WorkerProcess``. ``env`` is set while the
+    service is built (``PYTRIO_WORKER_FAULT_INJECTION`` is read then). ``service`` is the WorkerService."""
+
+    def __init__(self, model_dir: Path, storage: Path, *extra: str, api_keys: list[str] | None = None,
+                 model_name: str = "tiny", env: dict[str, str] | None = None) -> None:
+        self.model_dir, self.storage, self.extra = model_dir, storage, extra
+        self.api_keys = api_keys or []
+        self.model_name = model_name
+        self.env = env or {}
+        self.base_url = ""
+
+    def start(self, port: int = 0) -> "InProcessWorker":
+        from server_mock.cli import build_parser, build_server
+
+        args = build_parser().parse_args(serve_argv(self.model_dir, self.storage, self.extra, self.api_keys,
+                                                    self.model_name, port))
+        old = {name: os.environ.get(name) for name in self.env}
+        os.environ.update(self.env)
+        try:
+            self.server, sock = build_server(args)
+        finally:
+            for name, value in old.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+        self._log_to_file(args.log_level.upper())
+        self.service = self.server.config.app.state.service
+        self.port = sock.getsockname()[1]
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True,
+                                        name=f"worker-{self.port}")
+        self._thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"in-process worker on port {self.port} did not start")
+            time.sleep(0.01)
+        return self
+
+    def _log_to_file(self, level: str) -> None:
+        """What the worker logs, in ``worker.log`` beside its storage as a child process's output is. The loggers
+        are this process's: a record another in-process worker logs meanwhile lands here too."""
+        self._log = logging.FileHandler(self.storage.parent / "worker.log")
+        self._log.setLevel(level)
+        self._log.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+        self._loggers = [(logging.getLogger(name), logging.getLogger(name).level) for name in ("", "uvicorn")]
+        for logger, _ in self._loggers:
+            logger.addHandler(self._log)
+        noisy = logging.getLogger("server_mock")
+        self._loggers.append((noisy, noisy.level))
+        if noisy.getEffectiveLevel() > self._log.level:
+            noisy.setLevel(self._log.level)
+
+    def stop(self) -> None:
+        if getattr(self, "_thread", None) is not None and self._thread.is_alive():
+            self.server.should_exit = True
+            self._thread.join(30)
+        if getattr(self, "_log", None) is not None:
+            for logger, level in self._loggers:
+                logger.removeHandler(self._log)
+                logger.setLevel(level)
+            self._log.close()
+            self._log = None
+
+    def alive(self) -> bool:
+        return getattr(self, "_thread", None) is not None and self._thread.is_alive()
+
+
+class WorkerFactory:
+    """The workers of a test session, one per set of arguments, started on first use and shared by every test
+    that asks for the same ones: ``workers("--max-samplers", "4", api_keys=[KEY_A, KEY_B])``. In this process
+    unless ``process=True``. Tests that share a worker isolate their state by tenant (their own API keys) and by
+    their own runs and samplers; a test that changes what a worker is (kills it, fills a budget that is not per
+    key) starts its own instead."""
+
+    def __init__(self, model_dir: Path, root: Path) -> None:
+        self.model_dir, self.root = Path(model_dir), root
+        self._workers: dict[tuple, InProcessWorker | WorkerProcess] = {}
+        self._started = 0
+
+    def __call__(self, *extra: str, api_keys: list[str] | tuple[str, ...] = (), model_name: str = "tiny",
+                 env: dict[str, str] | None = None, process: bool = False,
+                 model_dir: Path | None = None) -> InProcessWorker | WorkerProcess:
+        model_dir = Path(model_dir or self.model_dir)
+        key = (tuple(extra), tuple(api_keys), model_name, tuple(sorted((env or {}).items())), process, model_dir)
+        if key not in self._workers:
+            self._started += 1
+            folder = self.root / f"worker-{self._started}"
+            folder.mkdir(parents=True)
+            kind = WorkerProcess if process else InProcessWorker
+            self._workers[key] = kind(model_dir, folder / "storage", *extra, api_keys=list(api_keys),
+                                      model_name=model_name, env=env).start()
+        return self._workers[key]
+
+    def close(self) -> None:
+        for worker in reversed(list(self._workers.values())):
+            worker.stop()
+        self._workers.clear()
+
+
 @contextmanager
-def running_worker(model_dir: Path, root: Path, *extra: str, **kwargs) -> Iterator[WorkerProcess]:
-    """A worker (``WorkerProcess`` arguments) keeping its storage and log under ``root``, stopped after the block."""
-    proc = WorkerProcess(model_dir, root / "storage", *extra, **kwargs).start()
+def running_worker(model_dir: Path, root: Path, *extra: str, in_process: bool = False,
+                   **kwargs) -> Iterator[WorkerProcess | InProcessWorker]:
+    """A worker (``WorkerProcess`` arguments) keeping its storage and log under ``root``, stopped after the block;
+    in this process (``InProcessWorker``) with ``in_process=True``."""
+    proc = (InProcessWorker if in_process else WorkerProcess)(model_dir, root / "storage", *extra, **kwargs).start()
     try:
         yield proc
     finally:

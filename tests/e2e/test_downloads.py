@@ -22,11 +22,11 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture(scope="module")
 def worker(tiny_model_dir, tmp_path_factory):
-    from support import WorkerProcess
+    from support import InProcessWorker
 
     root = tmp_path_factory.mktemp("downloads")
-    proc = WorkerProcess(tiny_model_dir, root / "storage", api_keys=[KEY_A, KEY_B],
-                         model_name=str(tiny_model_dir)).start()
+    proc = InProcessWorker(tiny_model_dir, root / "storage", api_keys=[KEY_A, KEY_B],
+                           model_name=str(tiny_model_dir)).start()
     yield proc
     proc.stop()
 

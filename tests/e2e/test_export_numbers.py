@@ -27,12 +27,12 @@ PROMPT_TEXT = "what is 12 + 30? the answer is"
 
 @pytest.fixture(scope="module")
 def family_worker(tmp_path_factory):
-    from support import WorkerProcess
+    from support import InProcessWorker
 
     root = tmp_path_factory.mktemp("export-families")
     dirs = {f: make_tiny_model(root / f, arch=f, seed=3) for f in TINY_FAMILIES}
     extra = [arg for f in TINY_FAMILIES[1:] for arg in ("--model", f"{f}={dirs[f]}")]
-    proc = WorkerProcess(dirs[TINY_FAMILIES[0]], root / "storage", *extra, model_name=TINY_FAMILIES[0]).start()
+    proc = InProcessWorker(dirs[TINY_FAMILIES[0]], root / "storage", *extra, model_name=TINY_FAMILIES[0]).start()
     client = trio.ServiceClient(base_url=proc.base_url)
     yield client, dirs
     client.close()

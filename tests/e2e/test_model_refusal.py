@@ -14,7 +14,7 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture(scope="module")
 def refusing_worker(tmp_path_factory, tiny_model_dir):
-    from support import WorkerProcess
+    from support import InProcessWorker
 
     root = tmp_path_factory.mktemp("refusal")
     tok = build_tiny_tokenizer()
@@ -26,8 +26,8 @@ def refusing_worker(tmp_path_factory, tiny_model_dir):
                                                                 n_head=2)).to(torch.float32)
     gpt2.save_pretrained(root / "gpt2")
     tok.save_pretrained(root / "gpt2")
-    proc = WorkerProcess(tiny_model_dir, root / "storage", "--model", f"t5={root / 't5'}", "--model",
-                         f"gpt2={root / 'gpt2'}").start()
+    proc = InProcessWorker(tiny_model_dir, root / "storage", "--model", f"t5={root / 't5'}", "--model",
+                           f"gpt2={root / 'gpt2'}").start()
     client = trio.ServiceClient(base_url=proc.base_url)
     yield client
     client.close()

@@ -18,11 +18,11 @@ KEY = "qwen-key"
 
 @pytest.fixture(scope="module")
 def qwen_worker(tmp_path_factory):
-    from support import WorkerProcess
+    from support import InProcessWorker
 
     root = tmp_path_factory.mktemp("qwen3_5")
     folder = make_tiny_model(root / "qwen3_5", arch="qwen3_5", seed=3)
-    proc = WorkerProcess(folder, root / "storage", api_keys=[KEY], model_name=str(folder)).start()
+    proc = InProcessWorker(folder, root / "storage", api_keys=[KEY], model_name=str(folder)).start()
     yield proc, str(folder)
     proc.stop()
 

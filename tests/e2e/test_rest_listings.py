@@ -17,7 +17,8 @@ KEY_A, KEY_B = "listing-key-a", "listing-key-b"
 
 @pytest.fixture(scope="module")
 def two_tenants(tiny_model_dir, tmp_path_factory):
-    with running_worker(tiny_model_dir, tmp_path_factory.mktemp("listings"), api_keys=[KEY_A, KEY_B]) as proc:
+    with running_worker(tiny_model_dir, tmp_path_factory.mktemp("listings"), api_keys=[KEY_A, KEY_B],
+                        in_process=True) as proc:
         a = trio.ServiceClient(base_url=proc.base_url, api_key=KEY_A)
         b = trio.ServiceClient(base_url=proc.base_url, api_key=KEY_B)
         try:

@@ -25,13 +25,13 @@ TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def vlm_worker(tmp_path_factory):
-    from support import WorkerProcess
+    from support import InProcessWorker
 
     root = tmp_path_factory.mktemp("vlm-images")
     dirs = {f: make_tiny_vlm(root / f, arch=f, seed=2) for f in FAMILIES}
     extra = [arg for f in FAMILIES[1:] for arg in ("--model", f"{f}={dirs[f]}")]
-    proc = WorkerProcess(dirs[FAMILIES[0]], root / "storage", *extra, api_keys=[KEY],
-                         model_name=FAMILIES[0]).start()
+    proc = InProcessWorker(dirs[FAMILIES[0]], root / "storage", *extra, api_keys=[KEY],
+                           model_name=FAMILIES[0]).start()
     yield proc, dirs
     proc.stop()
 

@@ -16,13 +16,13 @@ FAMILIES = list(TINY_VLM_FAMILIES)
 
 @pytest.fixture(scope="module")
 def vlm_service(tmp_path_factory):
-    from support import WorkerProcess
+    from support import InProcessWorker
 
     root = tmp_path_factory.mktemp("vlms")
     dirs = {f: make_tiny_vlm(root / f, arch=f, seed=1) for f in FAMILIES}
     extra = [arg for f in FAMILIES[1:] for arg in ("--model", f"{f}={dirs[f]}")]
-    proc = WorkerProcess(dirs[FAMILIES[0]], root / "storage", *extra, "--log-level", "INFO",
-                         model_name=FAMILIES[0]).start()
+    proc = InProcessWorker(dirs[FAMILIES[0]], root / "storage", *extra, "--log-level", "INFO",
+                           model_name=FAMILIES[0]).start()
     client = trio.ServiceClient(base_url=proc.base_url)
     yield client, proc
     client.close()

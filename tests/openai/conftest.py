@@ -1,5 +1,5 @@
-"""Fixtures for the OpenAI-compatible API tests: a worker with two API keys per test module (each module
-starts its own, in a folder named after the module) and an official ``openai`` client of it as tenant A.
+"""Fixtures for the OpenAI-compatible API tests: the session's worker with two API keys (``worker_factory``,
+shared by the modules here) and an official ``openai`` client of it as tenant A.
 
 ``worker`` here stands in for the session-wide keyless worker of tests/conftest.py in this folder."""
 
@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import openai
 import pytest
-from openai_support import KEY_A, openai_url, start_worker
+from openai_support import KEY_A, KEY_B, openai_url
 
 
 @pytest.fixture(scope="module")
-def worker(tiny_model_dir, tmp_path_factory, request):
-    proc = start_worker(tiny_model_dir, tmp_path_factory.mktemp(request.module.__name__.rpartition(".")[2]))
-    yield proc
-    proc.stop()
+def worker(worker_factory):
+    return worker_factory(api_keys=[KEY_A, KEY_B])
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,10 @@ CHATML_USER_TURN = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"  # 
 
 
 def start_worker(model_dir: Path, root: Path, *extra: str):
-    from support import WorkerProcess
+    """A worker of its own, in this process, for the two tenants."""
+    from support import InProcessWorker
 
-    return WorkerProcess(model_dir, root / "storage", *extra, api_keys=[KEY_A, KEY_B]).start()
+    return InProcessWorker(model_dir, root / "storage", *extra, api_keys=[KEY_A, KEY_B]).start()
 
 
 def openai_url(worker) -> str:

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from openai_support import KEY_A, KEY_B, openai_url, start_worker
+from openai_support import KEY_A, KEY_B, openai_url
 
 from pytrio_compat.types.tensor import WireTensor
 
@@ -88,12 +88,9 @@ def raw_bodies():
 
 
 @pytest.fixture(scope="module")
-def fuzz_worker(tiny_model_dir, tmp_path_factory):
+def fuzz_worker(worker_factory):
     # small sampling limits, so a fuzzed request that happens to be valid samples a few tokens at most
-    proc = start_worker(tiny_model_dir, tmp_path_factory.mktemp("openai-fuzz"), "--max-sample-tokens", "8",
-                        "--max-num-samples", "4")
-    yield proc
-    proc.stop()
+    return worker_factory("--max-sample-tokens", "8", "--max-num-samples", "4", api_keys=[KEY_A, KEY_B])
 
 
 class Tenant:

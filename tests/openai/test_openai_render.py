@@ -7,12 +7,12 @@ import random
 import pytest
 
 from server_mock.api.openai.render import finish, pieces
-from server_mock.engine.tiny_model import EOS_TOKEN_ID, build_tiny_tokenizer
+from server_mock.engine.tiny_model import EOS_TOKEN_ID
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return build_tiny_tokenizer()
+def tokenizer(tiny_tokenizer):
+    return tiny_tokenizer
 
 
 def _quadratic_pieces(tokenizer, ids: list[int], text: str) -> list[str]:

@@ -7,12 +7,7 @@ from pytrio_support import KEY_A, KEY_B
 
 
 @pytest.fixture(scope="module")
-def pytrio_worker(tiny_model_dir, tmp_path_factory):
+def pytrio_worker(worker_factory):
     """A worker with two API keys (two tenants), serving the tiny model as ``tiny``; its model_id (the tokenizer
-    the SDK loads) is then the model's absolute folder."""
-    from support import WorkerProcess
-
-    root = tmp_path_factory.mktemp("pytrio-worker")
-    proc = WorkerProcess(tiny_model_dir, root / "storage", api_keys=[KEY_A, KEY_B]).start()
-    yield proc
-    proc.stop()
+    the SDK loads) is then the model's absolute folder. In this process: the SDK runs in processes of its own."""
+    return worker_factory(api_keys=[KEY_A, KEY_B])

@@ -26,15 +26,10 @@ TOKENS = [5, 17, 200, 31, 8, 99, 140, 3]
 
 
 @pytest.fixture(scope="module")
-def worker(tiny_model_dir, tmp_path_factory):
-    from support import WorkerProcess
-
-    root = tmp_path_factory.mktemp("pytrio-protocol")
-    proc = WorkerProcess(tiny_model_dir, root / "storage", "--pytrio-max-sampling-runs", "2",
-                         "--pytrio-max-sessions", "3", "--max-training-runs", "4", "--pytrio-sample-keepalive", "0.05",
-                         "--max-body-bytes", str(4 << 20), api_keys=[KEY_A, KEY_B, KEY_C]).start()
-    yield proc
-    proc.stop()
+def worker(worker_factory):
+    return worker_factory("--pytrio-max-sampling-runs", "2", "--pytrio-max-sessions", "3", "--max-training-runs", "4",
+                          "--pytrio-sample-keepalive", "0.05", "--max-body-bytes", str(4 << 20),
+                          api_keys=[KEY_A, KEY_B, KEY_C])
 
 
 @pytest.fixture(scope="module")

@@ -22,13 +22,8 @@ TEXTS = ["12 + 30 = 42. The answer is 42.", "7 + 8 = 15", "what is 3 + 4? it is 
 
 
 @pytest.fixture(scope="module")
-def chunking_worker(tiny_model_dir, tmp_path_factory):
-    from support import WorkerProcess
-
-    root = tmp_path_factory.mktemp("pytrio-chunking")
-    proc = WorkerProcess(tiny_model_dir, root / "storage", "--pytrio-max-batch-size", "1", api_keys=[KEY_A]).start()
-    yield proc
-    proc.stop()
+def chunking_worker(worker_factory):
+    return worker_factory("--pytrio-max-batch-size", "1", api_keys=[KEY_A])
 
 
 def _rows(tokenizer, loss: str, rng) -> list[dict]:

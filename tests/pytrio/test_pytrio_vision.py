@@ -21,11 +21,11 @@ TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def vlm_worker(tmp_path_factory):
-    from support import WorkerProcess
+    from support import InProcessWorker
 
     root = tmp_path_factory.mktemp("pytrio-vlm")
     folder = make_tiny_vlm(root / "qwen3_5", arch="qwen3_5", seed=2)
-    proc = WorkerProcess(folder, root / "storage", api_keys=[KEY_A], model_name="qwen3_5").start()
+    proc = InProcessWorker(folder, root / "storage", api_keys=[KEY_A], model_name="qwen3_5").start()
     yield proc, folder
     proc.stop()
 

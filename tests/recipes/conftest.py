@@ -50,7 +50,9 @@ def build_tiny_tokenizer():
 
 
 @pytest.fixture(scope="session")
-def tiny_tokenizer():
+def recipe_tokenizer():
+    """A 400-token BPE trained on the arithmetic prompts, with Qwen3's enable_thinking behaviour (not the tiny
+    models' tokenizer, ``tiny_tokenizer``)."""
     return build_tiny_tokenizer()
 
 
@@ -64,11 +66,11 @@ def fixtures_dir() -> Path:
 # --------------------------------------------------------------------------------------------------------
 
 @pytest.fixture
-def fake_service(monkeypatch, tiny_tokenizer):
+def fake_service(monkeypatch, recipe_tokenizer):
     """Installs a FakeService as `pytrio_compat.ServiceClient` (and a recording `configure`)."""
     import pytrio_compat
 
-    service = FakeService(tiny_tokenizer)
+    service = FakeService(recipe_tokenizer)
     monkeypatch.setattr(pytrio_compat, "ServiceClient", service.service_client_class(), raising=False)
 
     def configure(**kwargs):

@@ -322,7 +322,7 @@ def test_fewshot_answers_are_right_and_not_test_problems():
 
 # ---- wiring: --dataset countdown through the options, the data, the prompt and both demos ---------------------
 
-def test_options_data_and_prompt_of_countdown(tiny_tokenizer):
+def test_options_data_and_prompt_of_countdown(recipe_tokenizer):
     args = build_arg_parser("t").parse_args(["--dataset", "countdown"])
     assert all(getattr(args, k) == v for k, v in DATASET_DEFAULTS["countdown"].items())
     assert 64 <= args.max_tokens <= 128
@@ -336,7 +336,7 @@ def test_options_data_and_prompt_of_countdown(tiny_tokenizer):
         "countdown": (COUNTDOWN_FEWSHOT_PREFIX, COUNTDOWN_SUFFIX), "shapes": (SHAPES_FEWSHOT, QUESTION_SUFFIX)}
     assert EVAL_GRADERS["countdown"] is not grade and EVAL_GRADERS["arithmetic"] is grade
     question = countdown_rows("test", 0, 1)[0]["question"]
-    text = tiny_tokenizer.decode(render_prompt(tiny_tokenizer, question, *PROMPTS["countdown"]))
+    text = recipe_tokenizer.decode(render_prompt(recipe_tokenizer, question, *PROMPTS["countdown"]))
     assert "strawberry" not in text and "\\boxed{(25 + 8) * 2 - 3}" in text
     assert text.endswith(f"<|im_start|>user\n{question}{COUNTDOWN_SUFFIX}<|im_end|>\n"
                          "<|im_start|>assistant\n<think>\n\n</think>\n\n")
@@ -386,7 +386,7 @@ def countdown_args(tmp_path: Path, *extra: str) -> list[str]:
 
 
 @pytest.mark.parametrize("script", DEMOS)
-def test_demo_runs_countdown(script, tmp_path, countdown_service, load_demo, tiny_tokenizer):
+def test_demo_runs_countdown(script, tmp_path, countdown_service, load_demo, recipe_tokenizer):
     summary = load_demo(script).main(countdown_args(tmp_path))
     fewshot, suffix = PROMPTS["countdown"]
     train_rows = shuffle_rows(load_rows("countdown", "train", seed=7), 7)
@@ -397,12 +397,12 @@ def test_demo_runs_countdown(script, tmp_path, countdown_service, load_demo, tin
     assert len(rollouts) == 2 * 3
     for k, call in enumerate(rollouts):
         step, i = divmod(k, 3)
-        assert call["prompt"] == render_prompt(tiny_tokenizer, train_rows[step * 3 + i]["question"], fewshot, suffix)
+        assert call["prompt"] == render_prompt(recipe_tokenizer, train_rows[step * 3 + i]["question"], fewshot, suffix)
         assert call["params"].max_tokens == DATASET_DEFAULTS["countdown"]["max_tokens"]
         assert call["params"].seed == sample_seed(7, step, i)
     sampler, expected, rewards_all = CountdownSampler(countdown_service), [], []
     for i, row in enumerate(train_rows[:3]):
-        prompt = render_prompt(tiny_tokenizer, row["question"], fewshot, suffix)
+        prompt = render_prompt(recipe_tokenizer, row["question"], fewshot, suffix)
         params = trio.SamplingParams(max_tokens=96, temperature=1.0, top_p=1.0, stop=["<|im_end|>"],
                                      seed=sample_seed(7, 0, i))
         result = sampler.sample(trio.ModelInput.from_ints(prompt), 4, params).result()
@@ -435,15 +435,15 @@ def test_sync_and_async_agree_on_countdown(tmp_path, countdown_service, load_dem
             k: v for k, v in b.items() if not k.startswith("time/")}
 
 
-def test_evaluate_with_the_countdown_grader(countdown_service, tiny_tokenizer):
+def test_evaluate_with_the_countdown_grader(countdown_service, recipe_tokenizer):
     import asyncio
 
     rows = load_rows("countdown", "test", n=10)
     accuracy = sum(r["target"] % 2 == 0 for r in rows) / 10
     sampler = CountdownSampler(countdown_service)
     fewshot, suffix = PROMPTS["countdown"]
-    assert evaluate(sampler, tiny_tokenizer, rows, 96, fewshot, suffix, EVAL_GRADERS["countdown"]) == accuracy
-    coro = evaluate_async(sampler, tiny_tokenizer, rows, 96, fewshot, suffix, EVAL_GRADERS["countdown"])
+    assert evaluate(sampler, recipe_tokenizer, rows, 96, fewshot, suffix, EVAL_GRADERS["countdown"]) == accuracy
+    coro = evaluate_async(sampler, recipe_tokenizer, rows, 96, fewshot, suffix, EVAL_GRADERS["countdown"])
     assert asyncio.run(coro) == accuracy
 
 

@@ -34,7 +34,7 @@ def demo_args(tmp_path: Path, *extra: str) -> list[str]:
 
 
 @pytest.mark.parametrize("script", DEMOS)
-def test_demo_step_logic(script, tmp_path, fake_service, load_demo, tiny_tokenizer):
+def test_demo_step_logic(script, tmp_path, fake_service, load_demo, recipe_tokenizer):
     summary = load_demo(script).main(demo_args(tmp_path, "--temperature", "0.9", "--top-p", "0.95"))
 
     assert fake_service.configure_kwargs == {"actor_event_wait_timeout": 600, "actor_event_request_timeout": 600,
@@ -52,7 +52,7 @@ def test_demo_step_logic(script, tmp_path, fake_service, load_demo, tiny_tokeniz
         params = call["params"]
         assert call["num_samples"] == 4
         question = train_rows[step * 3 + i]["question"]
-        assert call["prompt"] == render_prompt(tiny_tokenizer, question, FEWSHOT["arithmetic"])
+        assert call["prompt"] == render_prompt(recipe_tokenizer, question, FEWSHOT["arithmetic"])
         assert (params.max_tokens, params.temperature, params.top_p) == (32, 0.9, 0.95)
         assert params.stop == ["<|im_end|>"]
         assert params.seed == sample_seed(7, step, i)
@@ -85,7 +85,7 @@ def test_demo_step_logic(script, tmp_path, fake_service, load_demo, tiny_tokeniz
 
 
 @pytest.mark.parametrize("script", DEMOS)
-def test_first_step_datums_rebuilt_independently(script, tmp_path, fake_service, load_demo, tiny_tokenizer):
+def test_first_step_datums_rebuilt_independently(script, tmp_path, fake_service, load_demo, recipe_tokenizer):
     summary = load_demo(script).main(demo_args(tmp_path))
     # Re-sample step 0 through the fake sampler and build the datums by hand from the library pieces.
     from recipe_fakes import FakeSampler
@@ -96,7 +96,7 @@ def test_first_step_datums_rebuilt_independently(script, tmp_path, fake_service,
     rows = shuffle_rows(load_rows("arithmetic", "train", seed=7), 7)[:3]
     expected, rewards_all = [], []
     for i, row in enumerate(rows):
-        prompt = render_prompt(tiny_tokenizer, row["question"], FEWSHOT["arithmetic"])
+        prompt = render_prompt(recipe_tokenizer, row["question"], FEWSHOT["arithmetic"])
         params = trio.SamplingParams(max_tokens=32, temperature=1.0, top_p=1.0, stop=["<|im_end|>"],
                                      seed=sample_seed(7, 0, i))
         result = sampler.sample(trio.ModelInput.from_ints(prompt), 4, params).result()
@@ -172,7 +172,7 @@ def test_evaluation_every_step_and_at_the_end(script, tmp_path, fake_service, lo
     assert fake_service.snapshots == 3  # two steps + one for the final evaluation
 
 
-def test_evaluate_sync_and_async_agree(fake_service, tiny_tokenizer):
+def test_evaluate_sync_and_async_agree(fake_service, recipe_tokenizer):
     import asyncio
 
     from recipe_fakes import FakeSampler
@@ -183,12 +183,12 @@ def test_evaluate_sync_and_async_agree(fake_service, tiny_tokenizer):
     expected = sum(1 for r in rows if int(r["answer"].rsplit("#### ", 1)[1]) % 2 == 0) / 10
     assert 0 < expected < 1
     sampler = FakeSampler(fake_service)
-    assert evaluate(sampler, tiny_tokenizer, rows, 16, FEWSHOT["arithmetic"]) == pytest.approx(expected)
-    coro = evaluate_async(sampler, tiny_tokenizer, rows, 16, FEWSHOT["arithmetic"])
+    assert evaluate(sampler, recipe_tokenizer, rows, 16, FEWSHOT["arithmetic"]) == pytest.approx(expected)
+    coro = evaluate_async(sampler, recipe_tokenizer, rows, 16, FEWSHOT["arithmetic"])
     assert asyncio.run(coro) == pytest.approx(expected)
     assert len(fake_service.sample_calls) == 20
     for call in fake_service.sample_calls:
         assert call["num_samples"] == 1
         assert (call["params"].temperature, call["params"].max_tokens, call["params"].stop) == (0.0, 16, ["<|im_end|>"])
     with pytest.raises(ValueError):
-        evaluate(sampler, tiny_tokenizer, [], 16)
+        evaluate(sampler, recipe_tokenizer, [], 16)

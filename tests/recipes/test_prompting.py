@@ -21,16 +21,16 @@ def test_build_messages_appends_question_with_suffix():
     assert msgs[2] == {"role": "user", "content": "What is 12 + 30?" + QUESTION_SUFFIX}
 
 
-def test_render_prompt_uses_chat_template_with_generation_prompt_and_no_thinking(tiny_tokenizer):
-    tokens = render_prompt(tiny_tokenizer, "What is 12 + 30?")
+def test_render_prompt_uses_chat_template_with_generation_prompt_and_no_thinking(recipe_tokenizer):
+    tokens = render_prompt(recipe_tokenizer, "What is 12 + 30?")
     assert all(isinstance(t, int) for t in tokens)
-    text = tiny_tokenizer.decode(tokens)
+    text = recipe_tokenizer.decode(tokens)
     assert text.startswith("<|im_start|>user\nHow many r's are in strawberry?")
     assert "<|im_start|>user\nWhat is 12 + 30?" + QUESTION_SUFFIX + "<|im_end|>\n" in text
     # add_generation_prompt=True opens the assistant turn; enable_thinking=False reached the template
     assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     # special tokens are single ids, not spelled out byte by byte
-    im_start = tiny_tokenizer.convert_tokens_to_ids("<|im_start|>")
+    im_start = recipe_tokenizer.convert_tokens_to_ids("<|im_start|>")
     assert tokens.count(im_start) == 4
 
 
@@ -47,8 +47,8 @@ def test_stop_sequences():
     assert stop_sequences(VocabTokenizer(eos_token=None, vocab={"<|im_end|>": 2})) == ["<|im_end|>"]
 
 
-def test_stop_sequences_real_tokenizer(tiny_tokenizer):
-    assert stop_sequences(tiny_tokenizer) == ["<|im_end|>"]
+def test_stop_sequences_real_tokenizer(recipe_tokenizer):
+    assert stop_sequences(recipe_tokenizer) == ["<|im_end|>"]
 
 
 def test_arithmetic_fewshot_examples_are_correct_and_boxed():
@@ -63,9 +63,9 @@ def test_arithmetic_fewshot_examples_are_correct_and_boxed():
         assert grade(assistant["content"], f"#### {a + b}") == 1.0
 
 
-def test_render_prompt_with_another_fewshot(tiny_tokenizer):
+def test_render_prompt_with_another_fewshot(recipe_tokenizer):
     from recipes.grpo_lib import ARITHMETIC_FEWSHOT_PREFIX
 
-    text = tiny_tokenizer.decode(render_prompt(tiny_tokenizer, "What is 11 + 22?", ARITHMETIC_FEWSHOT_PREFIX))
+    text = recipe_tokenizer.decode(render_prompt(recipe_tokenizer, "What is 11 + 22?", ARITHMETIC_FEWSHOT_PREFIX))
     assert "strawberry" not in text
     assert text.index("What is 23 + 45?") < text.index("What is 58 + 37?") < text.index("What is 11 + 22?")

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
-from support import WorkerProcess
 
 from pytrio_compat import config
 
@@ -34,18 +32,7 @@ def adapter_root(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def special_worker(tiny_model_dir, tmp_path_factory, adapter_root):
+def special_worker(worker_factory, adapter_root):
     """A worker with fault injection on, two API keys (two tenants) and one allowed adapter folder."""
-    root = tmp_path_factory.mktemp("special-worker")
-    old = os.environ.get("PYTRIO_WORKER_FAULT_INJECTION")
-    os.environ["PYTRIO_WORKER_FAULT_INJECTION"] = "1"
-    try:
-        proc = WorkerProcess(tiny_model_dir, root / "storage", "--allow-adapter-dir", str(adapter_root),
-                             api_keys=[KEY_A, KEY_B]).start()
-    finally:
-        if old is None:
-            os.environ.pop("PYTRIO_WORKER_FAULT_INJECTION", None)
-        else:
-            os.environ["PYTRIO_WORKER_FAULT_INJECTION"] = old
-    yield proc
-    proc.stop()
+    return worker_factory("--allow-adapter-dir", str(adapter_root), api_keys=[KEY_A, KEY_B],
+                          env={"PYTRIO_WORKER_FAULT_INJECTION": "1"})

@@ -35,7 +35,7 @@ class Supervised:
         saved = {name: os.environ.get(name) for name in env}
         os.environ.update(env)
         try:
-            return WorkerProcess(self.model_dir, self.storage, *self.extra, **self.options).start(port)
+            return WorkerProcess(self.model_dir, self.storage, *self.extra, **self.options, warm=True).start(port)
         finally:
             for name, value in saved.items():
                 if value is None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from support import running_worker
 
 from .reliability_helpers import KEY_A
 
@@ -17,11 +16,9 @@ BODY = '{"base_model": "tiny", "lora": {"rank": 4}}'
 
 
 @pytest.fixture(scope="module")
-def named_worker(tiny_model_dir, tmp_path_factory):
+def named_worker(worker_factory):
     """A keyless worker that also answers to the name my-box.lan."""
-    root = tmp_path_factory.mktemp("named-worker")
-    with running_worker(tiny_model_dir, root, "--allowed-host", "my-box.lan") as proc:
-        yield proc
+    return worker_factory("--allowed-host", "my-box.lan")
 
 
 def test_json_routes_refuse_other_content_types(worker):

@@ -207,7 +207,7 @@ def _start_long(a: httpx.Client, num_samples: int, max_tokens: int) -> str:
 
 
 def test_a_short_sample_does_not_wait_for_another_tenants_longest_request(tiny_model_dir, tmp_path):
-    with running_worker(tiny_model_dir, tmp_path, api_keys=[KEY_A, KEY_B]) as worker, \
+    with running_worker(tiny_model_dir, tmp_path, api_keys=[KEY_A, KEY_B], in_process=True) as worker, \
             httpx.Client(base_url=worker.base_url, headers={"Authorization": f"Bearer {KEY_A}"}, timeout=90) as a, \
             httpx.Client(base_url=worker.base_url, headers={"Authorization": f"Bearer {KEY_B}"}, timeout=90) as b:
         b_samplers = _b_setup(b)
@@ -233,7 +233,7 @@ def test_a_short_sample_does_not_wait_for_another_tenants_longest_request(tiny_m
 def test_a_request_for_the_same_weights_joins_another_tenants_running_batch(tiny_model_dir, tmp_path, across):
     """With --batch-across-tenants B joins A's running batch; by default it waits for a slice of its own."""
     flags = ["--batch-across-tenants"] if across else []
-    with running_worker(tiny_model_dir, tmp_path, *flags, api_keys=[KEY_A, KEY_B]) as worker, \
+    with running_worker(tiny_model_dir, tmp_path, *flags, api_keys=[KEY_A, KEY_B], in_process=True) as worker, \
             httpx.Client(base_url=worker.base_url, headers={"Authorization": f"Bearer {KEY_A}"}, timeout=90) as a, \
             httpx.Client(base_url=worker.base_url, headers={"Authorization": f"Bearer {KEY_B}"}, timeout=90) as b:
         base = b.post("/v1/samplers", json={"base_model": "tiny"}).json()["sampler_id"]

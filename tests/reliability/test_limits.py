@@ -10,7 +10,6 @@ import time
 
 import httpx
 import pytest
-from support import WorkerProcess
 
 import pytrio_compat as trio
 
@@ -21,16 +20,9 @@ LIMITS = ["--max-body-bytes", "4000", "--max-tokens-per-request", "64", "--max-n
 
 
 @pytest.fixture(scope="module")
-def limited_worker(tiny_model_dir, tmp_path_factory):
-    root = tmp_path_factory.mktemp("limited-worker")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("PYTRIO_WORKER_FAULT_INJECTION", "1")  # for slow requests that keep the queue busy
-    try:
-        proc = WorkerProcess(tiny_model_dir, root / "storage", *LIMITS, api_keys=[KEY_A, KEY_B]).start()
-    finally:
-        mp.undo()
-    yield proc
-    proc.stop()
+def limited_worker(worker_factory):
+    # fault injection for slow requests that keep the queue busy
+    return worker_factory(*LIMITS, api_keys=[KEY_A, KEY_B], env={"PYTRIO_WORKER_FAULT_INJECTION": "1"})
 
 
 @pytest.fixture()

@@ -9,7 +9,6 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from support import WorkerProcess
 from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 from tinker.proto.response_conv import deserialize_forward_backward_output
@@ -21,11 +20,8 @@ WRONG_TYPES = ("text/plain", "application/x-www-form-urlencoded", "multipart/for
 
 
 @pytest.fixture(scope="module")
-def keyed_worker(tiny_model_dir, tmp_path_factory):
-    root = tmp_path_factory.mktemp("media-worker")
-    proc = WorkerProcess(tiny_model_dir, root / "storage", api_keys=[WORKER_KEY]).start()
-    yield proc
-    proc.stop()
+def keyed_worker(worker_factory):
+    return worker_factory(api_keys=[WORKER_KEY])
 
 
 def _headers(ctype: str | None, openai_key: bool = False) -> dict[str, str]:

@@ -36,7 +36,7 @@ def test_the_adapter_budget_counts_bytes_not_runs(tiny_model_dir, tmp_path):
     assert unit == 16 * 2624  # 2 x (448 + 576) + 64 + 512 parameters per unit of rank
     extra = ("--max-adapter-bytes", str(64 * unit), "--max-adapter-bytes-total", str(100 * unit),
              "--max-training-runs", "1000", "--max-adapters", "1000")
-    with running_worker(tiny_model_dir, tmp_path, *extra, api_keys=[KEY_A, KEY_B]) as proc:
+    with running_worker(tiny_model_dir, tmp_path, *extra, api_keys=[KEY_A, KEY_B], in_process=True) as proc:
         def http(key):
             return httpx.Client(base_url=proc.base_url, headers={"Authorization": f"Bearer {key}"}, timeout=30)
 
@@ -63,7 +63,7 @@ def test_the_adapter_budget_counts_bytes_not_runs(tiny_model_dir, tmp_path):
 
 
 def test_a_sample_request_holds_at_most_its_token_budget(tiny_model_dir, tmp_path):
-    with running_worker(tiny_model_dir, tmp_path, "--max-sample-request-tokens", "100") as proc:
+    with running_worker(tiny_model_dir, tmp_path, "--max-sample-request-tokens", "100", in_process=True) as proc:
         with httpx.Client(base_url=proc.base_url, timeout=30) as http:
             sampler = http.post("/v1/samplers", json={"base_model": "tiny"}).json()["sampler_id"]
 
@@ -155,7 +155,7 @@ def test_tinker_futures_expire_and_are_dropped_past_the_byte_budget():
 
 @pytest.mark.timeout(120)
 def test_an_expired_tinker_future_answers_404(tiny_model_dir, tmp_path):
-    with running_worker(tiny_model_dir, tmp_path, "--result-ttl", "1", api_keys=[KEY_A]) as proc:
+    with running_worker(tiny_model_dir, tmp_path, "--result-ttl", "1", api_keys=[KEY_A], in_process=True) as proc:
         with httpx.Client(base_url=proc.base_url + "/api/v1", headers={"X-API-Key": KEY_A}, timeout=30) as http:
             session = http.post("/create_session", json={"tags": []}).json()["session_id"]
             created = http.post("/create_model", json={"session_id": session, "model_seq_id": 0,

@@ -6,7 +6,6 @@ import time
 
 import httpx
 import pytest
-from support import running_worker
 
 import pytrio_compat as trio
 from pytrio_compat.errors import RequestLostError
@@ -15,9 +14,8 @@ from server_mock.engine.requests import RequestStore
 
 
 @pytest.fixture(scope="module")
-def short_ttl_worker(tiny_model_dir, tmp_path_factory):
-    with running_worker(tiny_model_dir, tmp_path_factory.mktemp("ttl-worker"), "--result-ttl", "1") as proc:
-        yield proc
+def short_ttl_worker(worker_factory):
+    return worker_factory("--result-ttl", "1")
 
 
 def submit_sample(http: httpx.Client) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 from safetensors.numpy import load_file
-from support import WorkerProcess
+from support import InProcessWorker
 
 import pytrio_compat as trio
 from pytrio_compat.errors import PyTrioError
@@ -31,7 +31,7 @@ def tensor_bytes(folder) -> int:
 def test_budget_refuses_a_save_past_it_and_takes_one_at_it(past, tiny_model_dir, tmp_path, fast_retries,
                                                            client_cache):
     storage = tmp_path / "storage"
-    worker = WorkerProcess(tiny_model_dir, storage).start()
+    worker = InProcessWorker(tiny_model_dir, storage).start()
     client = trio.ServiceClient(base_url=worker.base_url)
     try:
         tc = client.create_lora_training_client("tiny", rank=4, seed=2)
@@ -47,7 +47,7 @@ def test_budget_refuses_a_save_past_it_and_takes_one_at_it(past, tiny_model_dir,
         # what "a" and the journal hold + what "b" will need
         budget = folder_bytes(first) + tensor_bytes(first) + journaled + save_record - past
 
-        worker = WorkerProcess(tiny_model_dir, storage, "--max-storage-bytes-per-tenant", str(budget)).start(
+        worker = InProcessWorker(tiny_model_dir, storage, "--max-storage-bytes-per-tenant", str(budget)).start(
             worker.port)
         second = first.with_name("b")
         if past:

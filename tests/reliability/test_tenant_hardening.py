@@ -7,11 +7,12 @@ weights infinite, and a target_modules pattern that backtracks for days."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
 import json
-import os
 import re
-import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,7 +20,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 import torch
-from support import REPO, WorkerProcess, running_worker
+from support import InProcessWorker, running_worker
 
 from server_mock.api.native.endpoint import Idempotency
 from server_mock.api.tinker.state import TinkerState
@@ -68,16 +69,9 @@ def test_tinker_asample_resends_are_remembered_per_tenant():
     assert state.samples.count("A") == 50 and state.samples.get("s-a:0") is None
 
 
-def _fault_worker(tiny_model_dir, tmp_path, *extra, keys=(KEY_A, KEY_B, KEY_C)) -> WorkerProcess:
-    old = os.environ.get("PYTRIO_WORKER_FAULT_INJECTION")
-    os.environ["PYTRIO_WORKER_FAULT_INJECTION"] = "1"
-    try:
-        return WorkerProcess(tiny_model_dir, tmp_path / "storage", *extra, api_keys=list(keys)).start()
-    finally:
-        if old is None:
-            os.environ.pop("PYTRIO_WORKER_FAULT_INJECTION")
-        else:
-            os.environ["PYTRIO_WORKER_FAULT_INJECTION"] = old
+def _fault_worker(tiny_model_dir, tmp_path, *extra, keys=(KEY_A, KEY_B, KEY_C)) -> InProcessWorker:
+    return InProcessWorker(tiny_model_dir, tmp_path / "storage", *extra, api_keys=list(keys),
+                           env={"PYTRIO_WORKER_FAULT_INJECTION": "1"}).start()
 
 
 def test_a_tenants_samples_are_never_batched_with_anothers(tiny_model_dir, tmp_path):
@@ -147,9 +141,24 @@ def test_listing_a_tenants_checkpoints_reads_only_its_own_runs(tmp_path, monkeyp
 # --- API keys out of the process list; lazy models behind an allow-list ---------------------------------------------
 
 
-def _serve(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "server_mock", "serve", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout)
+def _serve(*args: str) -> SimpleNamespace:
+    """``pytrio-worker serve`` with these arguments, run in this process up to where it would listen: its exit
+    status and what it wrote to stderr, as a child process would show them (a refusal is ``sys.exit(message)`` or
+    argparse's error). Arguments it accepts give status 0, their socket (a free port unless they name one) closed
+    again and their storage (a scratch folder unless they name one) removed."""
+    from server_mock.cli import build_parser, build_server
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), tempfile.TemporaryDirectory() as scratch:
+        try:
+            _, sock = build_server(build_parser().parse_args(["serve", "--port", "0", "--storage", scratch, *args]))
+        except SystemExit as exit_:
+            code = exit_.code
+            if isinstance(code, str):
+                print(code, file=sys.stderr)
+            return SimpleNamespace(returncode=code if isinstance(code, int) else 1, stderr=err.getvalue())
+    sock.close()
+    return SimpleNamespace(returncode=0, stderr=err.getvalue())
 
 
 def test_api_keys_from_a_file_stay_out_of_the_process_list(tiny_model_dir, tmp_path):
@@ -178,7 +187,7 @@ def test_lazy_models_with_keys_need_an_allow_list_and_answer_one_message(tiny_mo
     (allowed / "not-a-model").mkdir(parents=True)
     (allowed / "not-a-model" / "config.json").write_text("{}")
     with running_worker(tiny_model_dir, tmp_path, "--lazy-models", "--lazy-model-allow", f"{allowed}/*",
-                        "--lazy-model-allow", str(tiny_model_dir), api_keys=[KEY_A]) as proc:
+                        "--lazy-model-allow", str(tiny_model_dir), api_keys=[KEY_A], in_process=True) as proc:
         with httpx.Client(base_url=proc.base_url, headers={"Authorization": f"Bearer {KEY_A}"}, timeout=60) as http:
             answers = {}
             for name in ("/etc", "/proc/self", str(allowed / "missing"), str(allowed / "not-a-model"),
@@ -196,7 +205,7 @@ def test_lazy_models_with_keys_need_an_allow_list_and_answer_one_message(tiny_mo
 
 
 def test_out_of_range_ids_surrogates_and_newlines_are_refused(tiny_model_dir, tmp_path):
-    with running_worker(tiny_model_dir, tmp_path, api_keys=[KEY_A]) as proc:
+    with running_worker(tiny_model_dir, tmp_path, api_keys=[KEY_A], in_process=True) as proc:
         auth = {"Authorization": f"Bearer {KEY_A}"}
         with httpx.Client(base_url=proc.base_url, headers=auth, timeout=60) as http:
             sampler = http.post("/v1/samplers", json={"base_model": "tiny"}).json()["sampler_id"]
@@ -255,7 +264,7 @@ def test_out_of_range_ids_surrogates_and_newlines_are_refused(tiny_model_dir, tm
 def test_a_step_that_would_make_the_weights_infinite_is_refused_and_changes_nothing(tiny_model_dir, tmp_path):
     from server_mock.storage.checkpoints import parse_path
 
-    with running_worker(tiny_model_dir, tmp_path) as proc:
+    with running_worker(tiny_model_dir, tmp_path, in_process=True) as proc:
         with httpx.Client(base_url=proc.base_url, timeout=60) as http:
             run = http.post("/v1/training_runs", json={"base_model": "tiny", "lora": {"rank": 2, "seed": 3}}).json()
             url, seq = f"/v1/training_runs/{run['training_run_id']}/ops", iter(range(1, 100))
@@ -295,7 +304,7 @@ def test_a_backtracking_target_modules_pattern_is_cut_off(tiny_model_dir, tmp_pa
     (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 4,
                                                             "target_modules": "(?:(?:.*?)+)+y"}))
     (folder / "adapter_model.safetensors").write_bytes(b"never read")
-    with running_worker(tiny_model_dir, tmp_path, "--allow-adapter-dir", str(allowed)) as proc:
+    with running_worker(tiny_model_dir, tmp_path, "--allow-adapter-dir", str(allowed), in_process=True) as proc:
         started = time.perf_counter()
         r = httpx.post(proc.base_url + "/v1/samplers", json={"model_path": str(folder), "base_model": "tiny"},
                        timeout=120)
@@ -311,7 +320,7 @@ def test_a_backtracking_target_modules_pattern_is_cut_off(tiny_model_dir, tmp_pa
 def test_a_refused_tinker_op_uses_up_its_seq_id(tiny_model_dir, tmp_path):
     """An optim_step whose body is refused answers 400 at once, and its seq_id is used up, so the model's next
     request is not held back waiting for it."""
-    with running_worker(tiny_model_dir, tmp_path, api_keys=[KEY_A]) as proc:
+    with running_worker(tiny_model_dir, tmp_path, api_keys=[KEY_A], in_process=True) as proc:
         with httpx.Client(base_url=proc.base_url + "/api/v1", headers={"X-API-Key": KEY_A}, timeout=60) as http:
             session = http.post("/create_session", json={"tags": []}).json()["session_id"]
             created = http.post("/create_model", json={"session_id": session, "model_seq_id": 0,

@@ -8,7 +8,6 @@ import asyncio
 
 import httpx
 import pytest
-from support import WorkerProcess
 
 import pytrio_compat as trio
 from server_mock.api.tinker.futures import Futures
@@ -19,12 +18,8 @@ SAMPLE = {"prompt_tokens": [5, 6, 7], "sampling_params": {"max_tokens": 2}}
 
 
 @pytest.fixture(scope="module")
-def quota_worker(tiny_model_dir, tmp_path_factory):
-    root = tmp_path_factory.mktemp("quota-worker")
-    proc = WorkerProcess(tiny_model_dir, root / "storage", "--max-snapshots", "2", "--max-samplers", "3",
-                         api_keys=[KEY_A, KEY_B]).start()
-    yield proc
-    proc.stop()
+def quota_worker(worker_factory):
+    return worker_factory("--max-snapshots", "2", "--max-samplers", "3", api_keys=[KEY_A, KEY_B])
 
 
 def _client(worker, key: str) -> httpx.Client:

@@ -600,7 +600,8 @@ def ctx(tiny_model_dir, tmp_path_factory):
     warnings.simplefilter("ignore", DeprecationWarning)
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     base = str(tiny_model_dir)
-    with running_worker(tiny_model_dir, tmp_path_factory.mktemp("matrix"), api_keys=[KEY], model_name=base) as w:
+    with running_worker(tiny_model_dir, tmp_path_factory.mktemp("matrix"), api_keys=[KEY], model_name=base,
+                        in_process=True) as w:
         sc = tinker.ServiceClient(base_url=w.base_url, api_key=KEY, user_metadata={"matrix": "yes"})
         rest = tinker.RestClient(base_url=w.base_url, api_key=KEY)
         tc = sc.create_lora_training_client(base, rank=4, seed=1,

@@ -41,11 +41,11 @@ def untied_model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def worker(tiny_model_dir, untied_model_dir, tmp_path_factory):
-    from support import WorkerProcess
+    from support import InProcessWorker
 
     root = tmp_path_factory.mktemp("tinker-export")
-    proc = WorkerProcess(tiny_model_dir, root / "storage", "--model", f"{untied_model_dir}={untied_model_dir}",
-                         api_keys=[KEY_A, KEY_B], model_name=str(tiny_model_dir)).start()
+    proc = InProcessWorker(tiny_model_dir, root / "storage", "--model", f"{untied_model_dir}={untied_model_dir}",
+                           api_keys=[KEY_A, KEY_B], model_name=str(tiny_model_dir)).start()
     yield proc
     proc.stop()
 

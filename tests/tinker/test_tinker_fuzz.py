@@ -33,15 +33,9 @@ INPUT_KEYS = ["target_tokens", "logprobs", "advantages", "weights", "mask"]
 
 
 @pytest.fixture(scope="module")
-def tinker_worker(tiny_model_dir, tmp_path_factory):
-    from support import WorkerProcess
-
-    root = tmp_path_factory.mktemp("tinker-fuzz")
-    proc = WorkerProcess(tiny_model_dir, root / "storage", "--max-body-bytes", "1000000",
-                         "--max-tokens-per-request", "4096", api_keys=[KEY_A[4:], KEY_B[4:]],
-                         model_name="tiny").start()
-    yield proc
-    proc.stop()
+def tinker_worker(worker_factory):
+    return worker_factory("--max-body-bytes", "1000000", "--max-tokens-per-request", "4096",
+                          api_keys=[KEY_A[4:], KEY_B[4:]])
 
 
 def _varint(value: int) -> bytes:

@@ -24,15 +24,9 @@ MAX_SEQ_AHEAD = 1024
 
 
 @pytest.fixture(scope="module")
-def tinker_worker(tiny_model_dir, tmp_path_factory):
-    from support import WorkerProcess
-
-    root = tmp_path_factory.mktemp("tinker-hardening")
-    proc = WorkerProcess(tiny_model_dir, root / "storage", "--max-body-bytes", str(MAX_BODY),
-                         "--max-tokens-per-request", "4096", "--max-samplers", "4",
-                         api_keys=[KEY_A[4:], KEY_B[4:]], model_name="tiny").start()
-    yield proc
-    proc.stop()
+def tinker_worker(worker_factory):
+    return worker_factory("--max-body-bytes", str(MAX_BODY), "--max-tokens-per-request", "4096", "--max-samplers",
+                          "4", api_keys=[KEY_A[4:], KEY_B[4:]])
 
 
 @pytest.fixture()
@@ -289,7 +283,7 @@ def test_tokenizer_id_is_the_operators_when_set(tiny_model_dir, tmp_path):
     from support import running_worker
 
     with running_worker(tiny_model_dir, tmp_path, "--tokenizer-id", "tiny=org/tiny-tokenizer",
-                        api_keys=[KEY_A[4:]]) as proc:
+                        api_keys=[KEY_A[4:]], in_process=True) as proc:
         raw = RawTinker(proc.base_url, KEY_A)
         info = raw.post("/get_info", json={"model_id": raw.model("tiny", seed=1), "type": "get_info"})
         assert info.json()["model_data"]["tokenizer_id"] == "org/tiny-tokenizer", info.text

@@ -18,11 +18,8 @@ PROMPT = [1] + [(13 * i) % 400 + 20 for i in range(39)]  # 40 tokens: a group's 
 
 
 @pytest.fixture(scope="module")
-def worker(tiny_model_dir, tmp_path_factory):
-    from support import running_worker
-
-    with running_worker(tiny_model_dir, tmp_path_factory.mktemp("prov"), api_keys=[KEY]) as proc:
-        yield proc
+def worker(worker_factory):
+    return worker_factory(api_keys=[KEY])
 
 
 @pytest.fixture()

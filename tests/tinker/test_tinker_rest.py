@@ -16,12 +16,8 @@ KEY_A, KEY_B = "tml-rest-a", "tml-rest-b"
 
 
 @pytest.fixture(scope="module")
-def worker(tiny_model_dir, tmp_path_factory):
-    from support import running_worker
-
-    with running_worker(tiny_model_dir, tmp_path_factory.mktemp("rest"), "--checkpoint-sweep-seconds", "0.2",
-                        api_keys=[KEY_A, KEY_B]) as proc:
-        yield proc
+def worker(worker_factory):
+    return worker_factory("--checkpoint-sweep-seconds", "0.2", api_keys=[KEY_A, KEY_B])
 
 
 def clients(worker, key: str, **kwargs):
@@ -138,7 +134,7 @@ def test_expiry_answers_404_before_the_sweep(tiny_model_dir, tmp_path):
     """With the sweeper's default minute, an expired checkpoint is already absent while its folder remains."""
     from support import running_worker
 
-    with running_worker(tiny_model_dir, tmp_path, api_keys=[KEY_A]) as worker:
+    with running_worker(tiny_model_dir, tmp_path, api_keys=[KEY_A], in_process=True) as worker:
         sc, rest = clients(worker, KEY_A)
         tc = sc.create_lora_training_client("tiny", rank=4, seed=5).result(60)
         path = tc.save_state("soon", ttl_seconds=1).result(60).path

@@ -27,7 +27,8 @@ def restartable(tiny_model_dir, tmp_path):
     workers = []
 
     def start(*extra: str, port: int = 0) -> WorkerProcess:
-        workers.append(WorkerProcess(tiny_model_dir, tmp_path / "storage", *extra, api_keys=[KEY]).start(port))
+        workers.append(WorkerProcess(tiny_model_dir, tmp_path / "storage", *extra, api_keys=[KEY],
+                                     warm=True).start(port))
         return workers[-1]
 
     yield start

@@ -20,14 +20,8 @@ CLIENT_KEY = "tml-" + WORKER_KEY  # the SDK insists on the tml- prefix; the work
 
 
 @pytest.fixture(scope="module")
-def tinker_worker(tiny_model_dir, tmp_path_factory):
-    from support import WorkerProcess
-
-    root = tmp_path_factory.mktemp("tinker-worker")
-    proc = WorkerProcess(tiny_model_dir, root / "storage", api_keys=[WORKER_KEY],
-                         model_name=str(tiny_model_dir)).start()
-    yield proc
-    proc.stop()
+def tinker_worker(worker_factory, tiny_model_dir):
+    return worker_factory(api_keys=[WORKER_KEY], model_name=str(tiny_model_dir))
 
 
 @pytest.fixture(scope="module")

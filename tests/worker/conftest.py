@@ -1,8 +1,15 @@
-"""Tiny random vision-language models on disk, one per family, shared by the engine's image tests."""
+"""The engine tests' fixtures: the session's tiny tokenizer under its short name, and tiny random vision-language
+models on disk, one per family, shared by the engine's image tests."""
 
 from __future__ import annotations
 
 import pytest
+
+
+@pytest.fixture(scope="session")
+def tok(tiny_tokenizer):
+    """``tiny_tokenizer`` (tests/conftest.py), as the engine tests call it."""
+    return tiny_tokenizer
 
 
 @pytest.fixture(scope="session")

@@ -5,15 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from server_mock.engine.tiny_model import build_tiny_model, build_tiny_tokenizer
+from server_mock.engine.tiny_model import build_tiny_model
 from server_mock.sampling.generate import SampleSpec, generate, teacher_forced_logprobs
 
 TOL = 1e-4
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_tiny_tokenizer()
 
 
 @pytest.fixture(scope="module")

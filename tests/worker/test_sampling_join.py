@@ -7,18 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from server_mock.engine.tiny_model import TINY_FAMILIES, build_tiny_model, build_tiny_tokenizer
+from server_mock.engine.tiny_model import TINY_FAMILIES, build_tiny_model
 from server_mock.sampling import cache_rows, decode_batch
 from server_mock.sampling.decode_batch import DecodeBatch
 from server_mock.sampling.generate import SampleSpec, SamplingSupport, generate, result_of, teacher_forced_logprobs
 from server_mock.sampling.token_choice import _exponential_race
 
 TOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_tiny_tokenizer()
 
 
 def _specs(tok):

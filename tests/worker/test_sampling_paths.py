@@ -10,13 +10,8 @@ import torch
 from transformers import cache_utils
 
 from server_mock.engine.support import Float32Head, probe_sampling, use_float32_head
-from server_mock.engine.tiny_model import build_tiny_model, build_tiny_tokenizer
+from server_mock.engine.tiny_model import build_tiny_model
 from server_mock.sampling.generate import SampleSpec, SamplingSupport, generate_batch, teacher_forced_logprobs
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_tiny_tokenizer()
 
 
 def specs(tok):

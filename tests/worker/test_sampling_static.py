@@ -7,18 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from server_mock.engine.tiny_model import build_tiny_model, build_tiny_tokenizer
+from server_mock.engine.tiny_model import build_tiny_model
 from server_mock.sampling import static_steps
 from server_mock.sampling.decode_batch import DecodeBatch
 from server_mock.sampling.generate import SampleSpec, generate, generate_batch, result_of, teacher_forced_logprobs
 from server_mock.sampling.static_steps import StaticSteps, bucket_columns, bucket_rows
 
 STATIC_FAMILIES = ["qwen2", "llama", "qwen3", "qwen3_moe", "qwen3_5", "lfm2"]
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_tiny_tokenizer()
 
 
 def _specs(tok):

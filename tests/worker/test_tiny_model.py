@@ -16,11 +16,6 @@ SAMPLE_TEXTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def tok():
-    return build_tiny_tokenizer()
-
-
 def test_tokenizer_specials_and_vocab(tok):
     assert len(tok) == 512
     assert tok.eos_token == "<|im_end|>"
