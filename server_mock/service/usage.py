@@ -27,8 +27,8 @@ FORWARD_KINDS = ("forward", "forward_backward")
 
 
 def rows_of(job: Job) -> int:
-    """Rows a queued job puts in its batch: a sample request's ``num_samples`` (its payload is ``(SampleSpec,
-    return_text)``, service/samplers.py), else 1."""
+    """Rows a queued job puts in its batch: a sample request's ``num_samples`` (its payload is a tuple that
+    starts with its SampleSpec, service/samplers.py), else 1."""
     payload = job.payload
     if isinstance(payload, tuple) and payload:
         return int(getattr(payload[0], "num_samples", 1) or 1)
