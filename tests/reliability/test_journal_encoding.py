@@ -48,10 +48,10 @@ def test_a_pending_forward_op_answers_after_a_restart(tiny_model_dir, tmp_path, 
         legacy = "server_mock.api.native.runs.encode_forward_result"
         original = service_runs.Journal.op_accepted
 
-        def old_writer(self, run_id, seq, request_id, kind, body_hash, record, front):
+        def old_writer(self, run_id, seq, request_id, kind, body_hash, record, front, room=None):
             if front is not None and front.get("protocol") == "native":
                 record, front = {**record, "encode": legacy}, None
-            return original(self, run_id, seq, request_id, kind, body_hash, record, front)
+            return original(self, run_id, seq, request_id, kind, body_hash, record, front, room)
 
         monkeypatch.setattr(service_runs.Journal, "op_accepted", old_writer)
     first = WorkerService({"tiny": str(tiny_model_dir)}, storage, "cpu", torch.float32)

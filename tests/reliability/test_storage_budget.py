@@ -43,7 +43,7 @@ def test_budget_refuses_a_save_past_it_and_takes_one_at_it(past, tiny_model_dir,
         journaled = journal.tenant_bytes("default")  # the journal counts too: the run's state, ops, results
         journal.close()
         save_record = len(records.pack({"op": "SaveOp", "body": SaveOp(op="save_state", name="b").model_dump(
-            mode="json"), "encode": None}))  # journaled when the save is accepted, before it runs
+            mode="json")}))  # journaled when the save is accepted, before it runs
         # what "a" and the journal hold + what "b" will need
         budget = folder_bytes(first) + tensor_bytes(first) + journaled + save_record - past
 
