@@ -5,7 +5,9 @@ Each client runs a fixed number of RL-style iterations on its own adapter:
 (importance_sampling on what it sampled) -> ``optim_step``. Then every client's sequence is replayed alone,
 one client at a time, and the two runs must agree bit for bit: the same sampled tokens and the same
 ``save_state`` files (adapter weights and Adam state). Any difference would mean requests leaked into
-each other's adapters (cross-talk).
+each other's adapters (cross-talk). The worker it starts runs with ``--batch-invariant``: by default the
+clients' samples share mixed-adapter decode batches, whose logprobs agree with a solo run within 1e-4 but not
+to the bit, and importance_sampling trains on those logprobs; in the invariant mode they are bit-identical.
 
 Bounded and local: it starts its own worker on a tiny random model (or takes ``--base-url`` on
 loopback), runs a fixed count, stops the worker and exits; non-zero exit on any error or cross-talk.
@@ -169,7 +171,7 @@ def run(clients: int = 8, iterations: int = 5, base_url: str | None = None, api_
     """Run the load test; returns the report (``report["ok"]`` is the verdict)."""
     if base_url and urlparse(base_url).hostname not in ("127.0.0.1", "localhost", "::1"):
         raise SystemExit("--base-url must be a loopback address: this test only talks to a local worker")
-    worker = None if base_url else LocalWorker(threads)
+    worker = None if base_url else LocalWorker(threads, ("--batch-invariant",))  # bit for bit: see the top
     watchdog = threading.Timer(timeout, lambda: (print(f"load test: over {timeout:.0f}s, giving up", file=sys.stderr),
                                                  worker.stop() if worker else None, os._exit(3)))
     watchdog.daemon = True
