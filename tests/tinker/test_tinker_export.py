@@ -179,6 +179,11 @@ def test_export_requests_are_checked_at_their_bounds(env, tiny_model_dir):
     for ttl in (3599, 10 * 365 * 24 * 3600 + 1):
         with pytest.raises(tinker.BadRequestError, match="ttl_seconds"):
             tc.save_weights_external(f"ttl-{ttl}", ttl_seconds=ttl).result()
+    # each refused export used up its seq_id: the model's gate expects the next one, nothing waits for a gap
+    from server_mock.api.auth import tenant_id
+
+    gate = env.server.config.app.state.tinker.state.model(tc.model_id, tenant_id(KEY_A)).gate
+    assert gate.next == 1 + 2 + 4 and gate.waiting_bytes == 0  # 2 training ops, 4 refused exports
     for ttl in (3600, 10 * 365 * 24 * 3600):
         assert tc.save_weights_external(f"ttl-{ttl}", ttl_seconds=ttl).result().path.endswith(f"ttl-{ttl}")
     with pytest.raises(Exception, match="already exist"):

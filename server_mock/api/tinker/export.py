@@ -40,7 +40,7 @@ from server_mock.api.tinker.paths import to_trio_path
 from server_mock.api.tinker.rest import MAX_TTL_SECONDS, MIN_TTL_SECONDS, run_id_of
 from server_mock.api.tinker.state import TinkerState
 from server_mock.api.tinker.submit import gated, read_op
-from server_mock.errors import WorkerError, bad_request
+from server_mock.errors import WorkerError, bad_request, raising
 from server_mock.storage.encryption import parse_recipients
 
 EXTERNAL = "tinker-external-weights"
@@ -100,8 +100,12 @@ class Export:
         body, size = await read_op(state, request, tenant, schemas.SaveWeightsExternal)
         model = state.model(body.model_id, tenant)
         name = body.path
-        ttl = _ttl(body.ttl_seconds)
-        recipients = parse_recipients(body.age_encryption_recipients)
+        try:
+            ttl = _ttl(body.ttl_seconds)
+            recipients = parse_recipients(body.age_encryption_recipients)
+        except WorkerError as exc:  # refused, but its seq_id is used up (a failed future), as read_op does:
+            gated(state, tenant, model, body.seq_id, body.digest(), raising(exc), None, 0)  # nothing waits on it
+            raise
 
         def payload():
             return state.service.runs.export_op(model.run_id, tenant, name, ttl, tinker_layout, recipients)
