@@ -270,6 +270,29 @@ class WorkerFactory:
 
 
 @contextmanager
+def serve_app(app, **config) -> Iterator[str]:
+    """``app`` behind a real uvicorn on a free loopback port of this process (``config``: more of
+    ``uvicorn.Config``'s arguments); yields its base URL, the server stopped after the block."""
+    import socket
+
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", **config))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started and thread.is_alive():
+        time.sleep(0.02)
+    assert server.started, "the worker did not start"
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(15)
+
+
+@contextmanager
 def running_worker(model_dir: Path, root: Path, *extra: str, in_process: bool = False,
                    **kwargs) -> Iterator[WorkerProcess | InProcessWorker]:
     """A worker (``WorkerProcess`` arguments) keeping its storage and log under ``root``, stopped after the block;

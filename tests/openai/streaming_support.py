@@ -3,7 +3,6 @@ speaks real HTTP to it, with the service at hand) and a gate that holds the deco
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -12,7 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import uvicorn
+
+from support import serve_app
 
 from server_mock.app import create_app
 from server_mock.config import Limits
@@ -32,18 +32,8 @@ class Running:
 def in_process_worker(model_dir: Path, storage: Path, limits: Limits | None = None) -> Iterator[Running]:
     service = WorkerService({"tiny": str(model_dir)}, storage, "cpu", torch.float32, limits=limits,
                             storage_options=None)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(service, [KEY]), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.02)
-    try:
-        yield Running(f"http://127.0.0.1:{sock.getsockname()[1]}/api/openai/v1", service)
-    finally:
-        server.should_exit = True
-        thread.join(15)
+    with serve_app(create_app(service, [KEY])) as url:
+        yield Running(f"{url}/api/openai/v1", service)
 
 
 def wait_until(condition: Callable[[], bool], what: str, limit: float = 60.0) -> None:

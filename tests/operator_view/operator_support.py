@@ -4,16 +4,15 @@ HTTP to it), with API keys, admin keys and limits of the test's choosing; the se
 
 from __future__ import annotations
 
-import socket
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import uvicorn
+
+from support import serve_app
 
 from server_mock.app import create_app
 from server_mock.config import Limits
@@ -52,16 +51,5 @@ def operator_worker(model_dir: Path, storage: Path, *, keys=(TENANT_KEY, OTHER_K
                     limits: Limits | None = None, model_name: str = "tiny") -> Iterator[Running]:
     service = WorkerService({model_name: str(model_dir)}, storage, "cpu", torch.float32, limits=limits,
                             storage_options=None)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(service, list(keys), admin_keys=list(admin_keys)),
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.02)
-    try:
-        yield Running(f"http://127.0.0.1:{sock.getsockname()[1]}", service)
-    finally:
-        server.should_exit = True
-        thread.join(15)
+    with serve_app(create_app(service, list(keys), admin_keys=list(admin_keys))) as url:
+        yield Running(url, service)

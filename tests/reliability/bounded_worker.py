@@ -3,17 +3,15 @@
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import uvicorn
 from starlette.applications import Starlette
+
+from support import serve_app
 
 from server_mock.app import create_app
 from server_mock.config import Connections, Limits, PytrioOptions, StorageOptions
@@ -40,15 +38,5 @@ def bounded_worker(model_dir: Path, storage: Path, limits: Limits, connections: 
     app = create_app(service, [KEY_A, KEY_B], pytrio_options=pytrio_options)
     guard = ConnectionGuard(connections or Connections())
     guard.relieve = app.state.long_polls.relieve  # as pytrio-worker serve does
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", http=guarded_protocol(guard)))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.02)
-    try:
-        yield Bounded(f"http://127.0.0.1:{sock.getsockname()[1]}", service, app, guard)
-    finally:
-        server.should_exit = True
-        thread.join(15)
+    with serve_app(app, http=guarded_protocol(guard)) as url:
+        yield Bounded(url, service, app, guard)

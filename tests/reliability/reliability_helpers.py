@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -14,9 +13,10 @@ from pathlib import Path
 import httpx
 import numpy as np
 import torch
-import uvicorn
 
 import pytrio_compat as trio
+from support import serve_app
+
 from server_mock.app import create_app
 from server_mock.service.worker import WorkerService
 
@@ -66,18 +66,8 @@ def in_process_worker(model_dir: Path, storage: Path) -> Iterator[str]:
 @contextmanager
 def serving(service: WorkerService, api_keys: list[str] | None = None) -> Iterator[str]:
     """``service`` behind a real uvicorn on a free loopback port in this process; yields its base URL."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(service, api_keys), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(15)
+    with serve_app(create_app(service, api_keys)) as url:
+        yield url
 
 
 def resident_bytes(pid: int) -> int:

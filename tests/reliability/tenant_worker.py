@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import torch
-import uvicorn
+
+from support import serve_app
 
 from server_mock.app import create_app
 from server_mock.service.worker import WorkerService
@@ -25,19 +23,8 @@ def worker(model_dir: Path, storage: Path, **options) -> Iterator[tuple[str, obj
     shut down (its journal closed) after the block. ``options``: WorkerService's (``limits=``, ...)."""
     service = WorkerService({"tiny": str(model_dir)}, storage, "cpu", torch.float32, **options)
     app = create_app(service, [KEY_A, KEY_B])
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started and thread.is_alive():
-        time.sleep(0.02)
-    assert server.started, "the worker did not start"
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}", app
-    finally:
-        server.should_exit = True
-        thread.join(15)
+    with serve_app(app) as url:
+        yield url, app
 
 
 def client(base: str, key: str) -> httpx.Client:
