@@ -19,6 +19,31 @@ FEW_SHOT = [
 ]
 
 
+@contextmanager
+def serve_app(app):
+    """``app`` behind a real uvicorn on a free loopback port of this process; yields its base URL, the server
+    stopped after the block."""
+    import socket
+    import threading
+
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started and thread.is_alive():
+        time.sleep(0.02)
+    if not server.started:
+        raise RuntimeError("the worker did not start")
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
 def few_shot_prompt(tokenizer, question: str = "What is 36 + 47?") -> list[int]:
     """A chat prompt of ~175 tokens: the model's default system turn, two worked examples, a question."""
     messages = []

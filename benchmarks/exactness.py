@@ -20,12 +20,9 @@ import argparse
 import hashlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -165,28 +162,21 @@ def state_hash(storage: Path, name: str) -> dict:
 
 # --- the worker ---
 
-def serve(model_dir: Path, storage: Path):
+def worker_app(model_dir: Path, storage: Path):
     import torch
-    import uvicorn
 
     from server_mock.app import create_app
     from server_mock.service.worker import WorkerService
 
-    service = WorkerService({MODEL: str(model_dir)}, storage, "cpu", torch.float32)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(service, [KEY]), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.02)
-    return server, thread, f"http://127.0.0.1:{sock.getsockname()[1]}"
+    return create_app(WorkerService({MODEL: str(model_dir)}, storage, "cpu", torch.float32), [KEY])
 
 
 def run() -> dict:
     import torch
     from transformers import AutoTokenizer
 
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository's packages
+    from benchmarks.common import serve_app
     from server_mock.engine.tiny_model import make_tiny_model
 
     torch.set_num_threads(1)  # the same reduction order on every run
@@ -195,13 +185,9 @@ def run() -> dict:
         model_dir = make_tiny_model(tmp / "model", seed=0)
         work = plan(len(AutoTokenizer.from_pretrained(str(model_dir))))
         storage = tmp / "storage"
-        server, thread, base_url = serve(model_dir, storage)
-        try:
+        with serve_app(worker_app(model_dir, storage)) as base_url:
             report = {"native": native_loop(base_url, work), "tinker": tinker_loop(base_url, work),
                       "pytrio": pytrio_in_child(base_url, work, tmp / "pytrio-home")}
-        finally:
-            server.should_exit = True
-            thread.join(timeout=30)
         for front, part in report.items():
             part.pop("state_path")
             part["state_sha256"] = state_hash(storage, f"exact-{front}")

@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -25,9 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import openai  # noqa: E402
 import torch  # noqa: E402
-import uvicorn  # noqa: E402
 
-from benchmarks.common import SMOLLM2, machine  # noqa: E402
+from benchmarks.common import SMOLLM2, machine, serve_app  # noqa: E402
 from server_mock.app import create_app  # noqa: E402
 from server_mock.service.worker import WorkerService  # noqa: E402
 
@@ -35,16 +32,9 @@ KEY = "benchmark-key"
 QUESTION = "Tell me a short story about a robot who learns to paint."
 
 
-def serve(model: str, storage: Path):
+def worker_app(model: str, storage: Path):
     service = WorkerService({"model": model}, storage, "cpu", torch.float32, storage_options=None)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(service, [KEY]), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.02)
-    return server, thread, f"http://127.0.0.1:{sock.getsockname()[1]}/api/openai/v1"
+    return create_app(service, [KEY])
 
 
 def streamed(client: openai.OpenAI, tokens: int) -> dict:
@@ -78,18 +68,15 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "streaming.json")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        server, thread, url = serve(args.model, Path(tmp))
-        try:
-            with openai.OpenAI(base_url=url, api_key=KEY, max_retries=0, timeout=600) as client:
+        with serve_app(worker_app(args.model, Path(tmp))) as base_url:
+            with openai.OpenAI(base_url=f"{base_url}/api/openai/v1", api_key=KEY, max_retries=0,
+                               timeout=600) as client:
                 streamed(client, 4)  # the model loaded, the first steps run once
                 runs = [streamed(client, args.tokens) for _ in range(args.repeats)]
                 started = time.perf_counter()
                 plain = client.chat.completions.create(model="model", max_tokens=args.tokens, temperature=0,
                                                        messages=[{"role": "user", "content": QUESTION}])
                 plain_s = time.perf_counter() - started
-        finally:
-            server.should_exit = True
-            thread.join(30)
     same = all(r["text"] == plain.choices[0].message.content for r in runs)
     summary = {key: statistics.median(r[key] for r in runs)
                for key in ("total_s", "first_content_s", "first_fraction", "chunks", "chunks_in_first_half")}
