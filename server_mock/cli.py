@@ -21,12 +21,10 @@ from server_mock.config import (
     StorageOptions,
     TinkerOptions,
     TrainOptions,
-    add_flags,
-    add_sections,
-    from_args,
     parse_model,
 )
 from server_mock.errors import WorkerError
+from server_mock.flags import add_flags, add_sections, from_args
 
 FILES_RESERVED = 128  # open files the worker keeps for itself (models, checkpoints, pipes) beside connections
 

@@ -13,7 +13,8 @@ import pytest
 
 from server_mock.api.tinker.state import TinkerState
 from server_mock.cli import SERVE_OPTIONS, build_parser
-from server_mock.config import GROUPS, Limits, TinkerOptions, from_args, shown_default
+from server_mock.config import Limits, TinkerOptions
+from server_mock.flags import GROUPS, from_args, shown_default
 from server_mock.errors import WorkerError
 
 # the serve flags of the release before the settings were all declared in config.py: each must keep parsing
@@ -147,7 +148,7 @@ def test_a_renamed_flag_keeps_its_old_name_as_an_alias():
     import argparse
     from dataclasses import dataclass
 
-    from server_mock.config import add_flags, setting
+    from server_mock.flags import add_flags, setting
 
     @dataclass
     class Renamed:

@@ -3,7 +3,7 @@ the protocol packages never import each other, and no import circle exists anywh
 
 Layers, top to bottom (docs/architecture.md draws them):
   cli / __main__  ->  app, connections  ->  api  ->  service  ->  cluster  ->  engine  ->  training, sampling,
-  storage  ->  lora, config, errors
+  storage  ->  lora, config -> flags, errors
 Inside ``api``, the shared plumbing (auth, bodies, endpoint, browser_safety, downloads) sits below the
 protocol packages. Imports under ``if TYPE_CHECKING:`` count too: a type is a dependency.
 """
@@ -23,7 +23,7 @@ RANKS = [
     ("server_mock.api.pytrio", 7), ("server_mock.operator", 7), ("server_mock.api", 6),
     ("server_mock.service", 5), ("server_mock.cluster", 4), ("server_mock.engine", 3),
     ("server_mock.training", 2), ("server_mock.sampling", 2), ("server_mock.storage", 2),
-    ("server_mock.lora", 1), ("server_mock.config", 1), ("server_mock.errors", 0),
+    ("server_mock.lora", 1), ("server_mock.config", 1), ("server_mock.flags", 0), ("server_mock.errors", 0),
 ]
 PROTOCOLS = {"server_mock.api.native", "server_mock.api.tinker", "server_mock.api.openai", "server_mock.api.pytrio"}
 

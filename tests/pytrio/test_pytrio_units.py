@@ -18,7 +18,8 @@ from server_mock.api.pytrio.msgpack_codec import MsgpackError, MsgpackLimits, de
 from server_mock.api.pytrio.tokens import ActorTokens, Grant
 from server_mock.api.pytrio.training import _unshift, encode_forward, forward_batch
 from server_mock.cli import build_parser
-from server_mock.config import Limits, PytrioOptions, from_args
+from server_mock.config import Limits, PytrioOptions
+from server_mock.flags import from_args
 from server_mock.errors import WorkerError
 
 pytest.importorskip("pytrio", reason="the official pytrio SDK (the dev extra) is not installed")

@@ -19,7 +19,8 @@ import server_mock.api.downloads as downloads_module
 from server_mock.api.auth import Auth
 from server_mock.api.downloads import MAX_TTL_SECONDS, Downloads, Served
 from server_mock.cli import build_parser
-from server_mock.config import Limits, from_args
+from server_mock.config import Limits
+from server_mock.flags import from_args
 from server_mock.errors import WorkerError
 from server_mock.storage import archive as archive_module
 from server_mock.storage.archive import Archives
