@@ -72,11 +72,9 @@ def main(argv=None):
         else:  # --advantage std, --loss-agg, --kl-coef, --dynamic-sampling; countdown, shapes: grpo_variants.py
             batch = demo.variant_batch(reward, stats)
             batch.add(groups)
-            while missing := batch.missing():  # --dynamic-sampling: more prompts until the batch is informative
-                batch.rounds += 1
-                more = demo.extra_rows(step, batch.rounds, missing)
+            for more, first in demo.more_rows(batch, step):  # --dynamic-sampling: until the batch is informative
                 with stats.timer("time/sample"):
-                    batch.add(rollouts(demo, sampler, more, step, first=batch.rounds * args.batch_size))
+                    batch.add(rollouts(demo, sampler, more, step, first))
             datums = batch.datums()
             extra.update(batch.metrics())
 

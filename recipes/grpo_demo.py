@@ -3,7 +3,7 @@ prompt's sampling parameters, evaluation, the variants' step and the logs. The s
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytrio_compat as trio
@@ -84,13 +84,19 @@ class Demo:
                 or a.kl_coef is not None or a.dynamic_sampling)
 
     def variant_batch(self, reward, stats: StepStats) -> StepBatch:
-        """A step's groups turned into datums with the variant options (add the groups, then `missing()` says
-        how many more prompts --dynamic-sampling wants, `extra_rows` draws them)."""
+        """A step's groups turned into datums with the variant options (add the groups, then `more_rows` says
+        which more prompts --dynamic-sampling wants)."""
         parts = countdown_parts if self.args.dataset == "countdown" else None
         return StepBatch(self.args, reward, self.tokenizer, stats, parts)
 
-    def extra_rows(self, step: int, round_: int, count: int) -> list[dict]:
-        return extra_rows(self.train_rows, self.args.seed, step, round_, count)
+    def more_rows(self, batch: StepBatch, step: int) -> Iterator[tuple[list[dict], int]]:
+        """--dynamic-sampling's extra rounds of the step: for each, the rows to sample and the index of the first
+        among the step's prompts (its sampling seeds), while the batch still wants informative groups (the caller
+        adds each round's groups to `batch` before asking for the next). None without --dynamic-sampling."""
+        while missing := batch.missing():
+            batch.rounds += 1
+            rows = extra_rows(self.train_rows, self.args.seed, step, batch.rounds, missing)
+            yield rows, batch.rounds * self.args.batch_size
 
     # --- training -------------------------------------------------------------------------------------------
 

@@ -184,16 +184,8 @@ class InProcessWorker:
 
         args = build_parser().parse_args(serve_argv(self.model_dir, self.storage, self.extra, self.api_keys,
                                                     self.model_name, port))
-        old = {name: os.environ.get(name) for name in self.env}
-        os.environ.update(self.env)
-        try:
+        with environment(self.env):
             self.server, sock = build_server(args)
-        finally:
-            for name, value in old.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
         self._log_to_file(args.log_level.upper())
         self.service = self.server.config.app.state.service
         self.port = sock.getsockname()[1]
@@ -267,6 +259,21 @@ class WorkerFactory:
         for worker in reversed(list(self._workers.values())):
             worker.stop()
         self._workers.clear()
+
+
+@contextmanager
+def environment(env: dict[str, str]) -> Iterator[None]:
+    """``env`` set in ``os.environ`` for the block; each of its names back to what it was after (unset if it was)."""
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 @contextmanager

@@ -68,6 +68,22 @@ def _chat_stream(chunks) -> tuple[dict, dict, dict, dict, object]:
     return text, logprobs, finish, ids, usage
 
 
+
+def _completion_stream(chunks) -> tuple[dict, dict, dict, dict, dict]:
+    """Each choice's text, (token, logprob) pairs, text offsets, finish reason and token ids from a legacy
+    completions stream."""
+    text, tokens, offsets, finish, ids = {}, {}, {}, {}, {}
+    for chunk in chunks:
+        for c in chunk.choices:
+            text[c.index] = text.get(c.index, "") + c.text
+            if c.logprobs is not None:
+                tokens.setdefault(c.index, []).extend(zip(c.logprobs.tokens, c.logprobs.token_logprobs))
+                offsets.setdefault(c.index, []).extend(c.logprobs.text_offset)
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+                ids[c.index] = getattr(c, "token_ids", None)
+    return text, tokens, offsets, finish, ids
+
 # --- sent as decoded ----------------------------------------------------------------------------------------------
 
 
@@ -308,15 +324,7 @@ def test_streamed_completions_of_two_prompts_equal_the_unstreamed_answers(client
     body = {"model": "tiny", "prompt": ["then", "so we get"], "max_tokens": 10, "n": 2, "temperature": 1,
             "seed": 4, "logprobs": 0}
     plain = client.completions.create(**body)
-    text, tokens, offsets, finish = {}, {}, {}, {}
-    for chunk in client.completions.create(**body, stream=True):
-        for c in chunk.choices:
-            text[c.index] = text.get(c.index, "") + c.text
-            if c.logprobs is not None:
-                tokens.setdefault(c.index, []).extend(zip(c.logprobs.tokens, c.logprobs.token_logprobs))
-                offsets.setdefault(c.index, []).extend(c.logprobs.text_offset)
-            if c.finish_reason:
-                finish[c.index] = c.finish_reason
+    text, tokens, offsets, finish, _ = _completion_stream(client.completions.create(**body, stream=True))
     assert sorted(text) == [0, 1, 2, 3]
     for choice in plain.choices:
         assert text[choice.index] == choice.text
@@ -333,15 +341,8 @@ def test_without_the_token_stream_the_answer_comes_whole_at_the_end(client, monk
     body = {"model": "tiny", "prompt": "so we get", "max_tokens": 10, "n": 2, "seed": 9, "logprobs": 0,
             "stop": ["e"]}
     plain = client.completions.create(**body, extra_body=IDS)
-    text, tokens, offsets, ids = {}, {}, {}, {}
-    for chunk in client.completions.create(**body, extra_body=IDS, stream=True):
-        for c in chunk.choices:
-            text[c.index] = text.get(c.index, "") + c.text
-            if c.logprobs is not None:
-                tokens.setdefault(c.index, []).extend(zip(c.logprobs.tokens, c.logprobs.token_logprobs))
-                offsets.setdefault(c.index, []).extend(c.logprobs.text_offset)
-            if c.finish_reason:
-                ids[c.index] = c.token_ids
+    text, tokens, offsets, _, ids = _completion_stream(client.completions.create(**body, extra_body=IDS,
+                                                                                 stream=True))
     for choice in plain.choices:
         assert text[choice.index] == choice.text
         assert tokens.get(choice.index, []) == list(zip(choice.logprobs.tokens, choice.logprobs.token_logprobs))

@@ -5,8 +5,6 @@ keeping only the newest ops."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import httpx
 import jsonschema
 import pytest
@@ -120,13 +118,7 @@ def test_the_ring_keeps_only_the_newest_ops(worker):
 
 
 def test_a_tinker_sessions_trace_holds_its_models_ops(worker, tiny_model_dir):
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[1] / "tinker" / "tinker_raw_client.py"  # (tests/tinker is no package)
-    spec = importlib.util.spec_from_file_location("tinker_raw_client", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    RawTinker = module.RawTinker
+    from tinker_raw_client import RawTinker
 
     raw = RawTinker(worker.url, "tml-" + TENANT_KEY)
     model_id = raw.model(str(tiny_model_dir))

@@ -1,4 +1,5 @@
-"""Fixtures for the recipe tests: import paths, a tiny offline chat tokenizer, and a fake service.
+"""Fixtures for the recipe tests: import paths, a tiny offline chat tokenizer, a fake service, and a demo run
+against a real worker.
 
 The fake service answers like the PyTRIO clients (futures, async twins, SampleResponse, ForwardBackwardOutput)
 but needs no worker, so the demo scripts can be run in-process and their step logic checked exactly.
@@ -94,3 +95,29 @@ def load_demo():
         return module
 
     return load
+
+
+@pytest.fixture
+def demo_on_worker(worker, load_demo, tmp_path, monkeypatch):
+    """``run(script, *flags, reward="grade")``: the demo against the ``worker`` fixture (the tiny random model), two
+    prompts of four completions of at most six tokens a step, rank 8, seed 3, logs in ``tmp_path / "run"``.
+    The tiny model never answers right, so the demo's ``reward`` (``grade``, or ``countdown_reward``) is replaced by
+    one alternating 1, 0 within each group: every group is mixed and every step trains. ``flags`` come last (and
+    may override these). Returns the demo's summary and the completions it rewarded."""
+    monkeypatch.syspath_prepend(str(RECIPES))
+
+    def run(script: str, *flags: str, reward: str = "grade") -> tuple[dict, list[str]]:
+        demo = load_demo(script)
+        calls: list[str] = []
+
+        def alternating_reward(text, answer):
+            calls.append(text)
+            return float(len(calls) % 2)
+
+        monkeypatch.setattr(demo, reward, alternating_reward)
+        summary = demo.main([
+            "--base-url", worker.base_url, "--base-model", "tiny", "--batch-size", "2", "--group-size", "4",
+            "--max-tokens", "6", "--lora-rank", "8", "--seed", "3", "--log-dir", str(tmp_path / "run"), *flags])
+        return summary, calls
+
+    return run

@@ -448,24 +448,11 @@ def test_evaluate_with_the_countdown_grader(countdown_service, recipe_tokenizer)
 
 
 @pytest.mark.parametrize("script", DEMOS)
-def test_demo_trains_countdown_against_worker(script, worker, load_demo, tmp_path, monkeypatch):
+def test_demo_trains_countdown_against_worker(script, demo_on_worker):
     """The real worker and the tiny random model's tokenizer; the reward alternates 1, 0 within each group
     so every step trains (the tiny model never solves a problem)."""
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "recipes"))
-    demo = load_demo(script)
-    calls = []
-
-    def alternating_reward(text, answer):
-        calls.append(text)
-        return float(len(calls) % 2)
-
-    monkeypatch.setattr(demo, "countdown_reward", alternating_reward)
-    summary = demo.main([
-        "--base-url", worker.base_url, "--base-model", "tiny", "--dataset", "countdown", "--steps", "2",
-        "--batch-size", "2", "--group-size", "4", "--max-tokens", "6", "--lora-rank", "8",
-        "--learning-rate", "1e-3", "--seed", "3", "--log-dir", str(tmp_path / "run"),
-        "--eval-every", "2", "--eval-size", "2",
-    ])
+    summary, calls = demo_on_worker(script, "--dataset", "countdown", "--steps", "2", "--learning-rate", "1e-3",
+                                    "--eval-every", "2", "--eval-size", "2", reward="countdown_reward")
     history = summary["history"]
     assert len(calls) == 2 * 2 * 4
     assert [row["step"] for row in history] == [0, 1, 2]

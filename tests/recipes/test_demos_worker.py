@@ -23,22 +23,9 @@ FIXTURE = str(Path(__file__).resolve().parent / "fixtures" / "gsm8k_tiny.jsonl")
      ("02-demo-async.py", "importance_sampling", ["--dataset", "gsm8k", "--data-file", FIXTURE,
                                                  "--test-file", FIXTURE])],
 )
-def test_demo_trains_against_worker(script, loss_fn, data, worker, load_demo, tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "recipes"))
-    demo = load_demo(script)
-    calls = []
-
-    def alternating_reward(text, answer):
-        calls.append(text)
-        return float(len(calls) % 2)
-
-    monkeypatch.setattr(demo, "grade", alternating_reward)
-    summary = demo.main([
-        "--base-url", worker.base_url, "--base-model", "tiny", *data, "--steps", "2",
-        "--batch-size", "2", "--group-size", "4", "--max-tokens", "6", "--lora-rank", "8",
-        "--learning-rate", "1e-3", "--loss-fn", loss_fn, "--seed", "3", "--log-dir", str(tmp_path / "run"),
-        "--eval-every", "2", "--eval-size", "2",
-    ])
+def test_demo_trains_against_worker(script, loss_fn, data, demo_on_worker, tmp_path):
+    summary, calls = demo_on_worker(script, *data, "--steps", "2", "--learning-rate", "1e-3", "--loss-fn", loss_fn,
+                                    "--eval-every", "2", "--eval-size", "2")
 
     history = summary["history"]
     assert [row["step"] for row in history] == [0, 1, 2]

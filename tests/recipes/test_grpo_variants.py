@@ -196,21 +196,13 @@ def test_countdown_logs_format_and_correctness_apart(script, tmp_path, fake_serv
     assert DATASET_DEFAULTS["countdown"]["max_tokens"] == 96
 
 
-def test_variants_train_against_the_worker(worker, load_demo, tmp_path, monkeypatch):
+def test_variants_train_against_the_worker(demo_on_worker):
     """The async demo with every variant flag against a real worker on the tiny model (the demo's reward
     replaced by one alternating 1, 0 within each group, so every group trains)."""
-    from pathlib import Path
-
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "recipes"))
-    demo = load_demo("02-demo-async.py")
-    calls = []
-    monkeypatch.setattr(demo, "grade", lambda text, answer: calls.append(text) or float(len(calls) % 2))
-    summary = demo.main([
-        "--base-url", worker.base_url, "--base-model", "tiny", "--dataset", "arithmetic", "--steps", "2",
-        "--batch-size", "2", "--group-size", "4", "--max-tokens", "6", "--lora-rank", "8", "--learning-rate", "1e-2",
-        "--seed", "3", "--log-dir", str(tmp_path / "run"), "--eval-every", "0", "--loss-fn", "ppo",
-        "--clip-high", "1.28", "--advantage", "std", "--loss-agg", "seq-mean-token-mean", "--kl-coef", "0.05",
-        "--kl-estimator", "k3", "--log-entropy", "--dynamic-sampling"])
+    summary, _ = demo_on_worker(
+        "02-demo-async.py", "--dataset", "arithmetic", "--steps", "2", "--learning-rate", "1e-2", "--eval-every", "0",
+        "--loss-fn", "ppo", "--clip-high", "1.28", "--advantage", "std", "--loss-agg", "seq-mean-token-mean",
+        "--kl-coef", "0.05", "--kl-estimator", "k3", "--log-entropy", "--dynamic-sampling")
     first, second = summary["history"]
     assert first["kl"] == 0.0  # a fresh adapter is the base model exactly (LoRA B = 0)
     assert second["kl"] > 0.0 and math.isfinite(second["kl"])

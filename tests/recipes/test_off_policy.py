@@ -77,20 +77,14 @@ def test_sync_demo_refuses_off_policy(tmp_path, fake_service, load_demo, capsys)
     assert fake_service.training_kwargs is None
 
 
-def test_one_step_off_policy_trains_against_the_worker(worker, load_demo, tmp_path, monkeypatch):
+def test_one_step_off_policy_trains_against_the_worker(demo_on_worker):
     """The async demo one step off-policy against a real worker on the tiny model (its reward alternating 1, 0 so
     every group trains): step 0 is on-policy (sampler and learner agree), later steps train on samples of the
     weights before the last update, so the learner's logprobs have moved away from the sampler's."""
     import math
 
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "recipes"))
-    demo = load_demo("02-demo-async.py")
-    calls = []
-    monkeypatch.setattr(demo, "grade", lambda text, answer: calls.append(text) or float(len(calls) % 2))
-    summary = demo.main([
-        "--base-url", worker.base_url, "--base-model", "tiny", "--dataset", "arithmetic", "--steps", "3",
-        "--batch-size", "2", "--group-size", "4", "--max-tokens", "6", "--lora-rank", "8", "--learning-rate", "1e-2",
-        "--seed", "3", "--log-dir", str(tmp_path / "run"), "--eval-every", "0", "--max-steps-off-policy", "1"])
+    summary, calls = demo_on_worker("02-demo-async.py", "--dataset", "arithmetic", "--steps", "3",
+                                    "--learning-rate", "1e-2", "--eval-every", "0", "--max-steps-off-policy", "1")
     history = summary["history"]
     assert len(calls) == 3 * 2 * 4
     assert [row["sampler/staleness"] for row in history] == [0.0, 1.0, 1.0]

@@ -13,7 +13,7 @@ import threading
 import time
 from pathlib import Path
 
-from support import WorkerProcess
+from support import WorkerProcess, environment
 
 
 class Supervised:
@@ -32,16 +32,8 @@ class Supervised:
         self._watcher.start()
 
     def _start(self, port: int, env: dict[str, str]) -> WorkerProcess:
-        saved = {name: os.environ.get(name) for name in env}
-        os.environ.update(env)
-        try:
+        with environment(env):
             return WorkerProcess(self.model_dir, self.storage, *self.extra, **self.options, warm=True).start(port)
-        finally:
-            for name, value in saved.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
 
     @property
     def base_url(self) -> str:

@@ -51,21 +51,18 @@ def test_tinker_forward_backward_at_the_limit_and_one_past(worker):
     pytest.importorskip("tinker")
     from tinker import types
     from tinker.proto.request_conv import forward_backward_request_to_proto
+    from tinker_raw_client import RawTinker, datum
 
-    with httpx.Client(base_url=worker.url + "/api/v1", headers={"X-API-Key": KEY_A}, timeout=60) as http:
-        session = http.post("/create_session", json={"tags": [], "type": "create_session"}).json()["session_id"]
-        created = http.post("/create_model", json={"session_id": session, "model_seq_id": 0, "base_model": "tiny",
-                                                   "lora_config": {"rank": 2}, "type": "create_model"}).json()
-        model_id = created["model_id"]
-        assert result(http, created["request_id"])["model_id"] == model_id
+    raw = RawTinker(worker.url, KEY_A)
+    try:
+        model_id = raw.model("tiny", rank=2)
 
         def send(count: int, seq_id: int):
-            data = [types.Datum(model_input=types.ModelInput.from_ints([5 + i, 9, 14]),
-                                loss_fn_inputs={"target_tokens": [9, 14, 20]}) for i in range(count)]
             request = types.ForwardBackwardRequest(forward_backward_input=types.ForwardBackwardInput(
-                data=data, loss_fn="cross_entropy"), model_id=model_id, seq_id=seq_id)
-            body = forward_backward_request_to_proto(request).SerializeToString()
-            return http.post("/forward_backward", content=body, headers={"Content-Type": "application/x-protobuf"})
+                data=[datum([5 + i, 9, 14, 20]) for i in range(count)], loss_fn="cross_entropy"),
+                model_id=model_id, seq_id=seq_id)
+            return raw.forward_backward(model_id, seq_id, body=forward_backward_request_to_proto(request)
+                                        .SerializeToString())
 
         over = send(LIMIT + 1, 1)
         assert over.status_code == 413, over.text
@@ -73,19 +70,9 @@ def test_tinker_forward_backward_at_the_limit_and_one_past(worker):
         assert f"max_datums_per_request={LIMIT}" in over.json()["detail"] and FLAG in over.json()["detail"]
         at = send(LIMIT, 2)  # the refused one used up its seq_id
         assert at.status_code == 200, at.text
-        assert isinstance(result(http, at.json()["request_id"]), bytes)  # a ForwardBackwardOutput
-
-
-def result(http: httpx.Client, request_id: str):
-    while True:
-        answer = http.post("/retrieve_future", json={"request_id": request_id, "allow_metadata_only": True},
-                           headers={"Accept": "application/x-protobuf"})
-        assert answer.status_code == 200, answer.text
-        if "protobuf" in answer.headers["content-type"]:
-            return answer.content
-        body = answer.json()
-        if body.get("type") != "try_again":
-            return body
+        assert isinstance(raw.result(at.json()["request_id"]), bytes)  # a ForwardBackwardOutput
+    finally:
+        raw.close()
 
 
 def test_pytrio_events_at_the_limit_and_one_past_and_the_sdk_is_told(worker):

@@ -1,5 +1,6 @@
-"""The engine tests' fixtures: the session's tiny tokenizer under its short name, and tiny random vision-language
-models on disk, one per family, shared by the engine's image tests."""
+"""The engine tests' fixtures: the session's tiny tokenizer under its short name, tiny random vision-language
+models on disk, one per family, shared by the engine's image tests, and a guard that no image's pixels are
+decoded."""
 
 from __future__ import annotations
 
@@ -26,3 +27,18 @@ def tiny_vlm_dir(tmp_path_factory):
         return made[arch]
 
     return get
+
+
+@pytest.fixture()
+def no_decoding(monkeypatch):
+    """Fails the test if Pillow decodes any pixel data; the sizes of the images it was asked to decode."""
+    from PIL import ImageFile
+
+    calls = []
+
+    def load(self):
+        calls.append(self.size)
+        raise AssertionError(f"pixels of a {self.size} image were decoded")
+
+    monkeypatch.setattr(ImageFile.ImageFile, "load", load)
+    return calls

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from PIL import Image, ImageFile
+from PIL import Image
 
 from pytrio_compat.wire import SampleRequest, WireImage
 from server_mock.config import Limits
@@ -40,18 +40,6 @@ def bilevel_png(seed: int, side: int = SIDE) -> bytes:
 @pytest.fixture(scope="module")
 def bombs() -> list[bytes]:
     return [bilevel_png(i) for i in range(3)]
-
-
-@pytest.fixture()
-def no_decoding(monkeypatch):
-    calls = []
-
-    def load(self):
-        calls.append(self.size)
-        raise AssertionError(f"pixels of a {self.size} image were decoded")
-
-    monkeypatch.setattr(ImageFile.ImageFile, "load", load)
-    return calls
 
 
 def refused(status: int, code: str, call) -> WorkerError:

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from PIL import Image, ImageFile
+from PIL import Image
 
 from server_mock.config import Limits
 from server_mock.engine.images import ImageDecoder, decode_image, image_digest
@@ -40,19 +40,6 @@ def png_declaring(width: int, height: int, rows: int = 1) -> bytes:
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
     raw = zlib.compress(b"\x00" * (rows * (1 + 3 * width)), 9)
     return b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", ihdr) + _chunk(b"IDAT", raw) + _chunk(b"IEND", b"")
-
-
-@pytest.fixture()
-def no_decoding(monkeypatch):
-    """Fails the test if Pillow decodes any pixel data."""
-    calls = []
-
-    def load(self):
-        calls.append(self.size)
-        raise AssertionError(f"pixels of a {self.size} image were decoded")
-
-    monkeypatch.setattr(ImageFile.ImageFile, "load", load)
-    return calls
 
 
 def refused(status: int, code: str, call):
