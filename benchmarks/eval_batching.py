@@ -63,6 +63,7 @@ def main(argv=None) -> dict:
                         help="comma-separated prefix-reuse:in-flight runs (off or on : sampling_request_max_in_flight);"
                              " the first is the baseline")
     parser.add_argument("--prefix-cache-bytes", type=int, default=256 * 1024 ** 2)
+    parser.add_argument("--name", default="eval_batching", help="the results file's name under benchmarks/results")
     args = parser.parse_args(argv)
     plan = [(mode, int(limit)) for mode, limit in (item.split(":") for item in args.runs.split(",") if item)]
 
@@ -112,7 +113,7 @@ def main(argv=None) -> dict:
     payload = {"problems": args.problems, "max_tokens": args.max_tokens, "runs": runs,
                "ratios": {f"{r['prefix_reuse']}:{r['in_flight']}": r["seconds"] / base for r in runs},
                "load_average": os.getloadavg()}
-    save("eval_batching", payload)
+    save(args.name, payload)
     return payload
 
 

@@ -15,6 +15,12 @@ A request's ``TokenStream`` (``SampleSpec.stream``, token_stream.py) is told eac
 sampled it ends, and a cancelled one's rows end before the next step samples them (one cancelled before it is
 admitted ends at once, without a prefill).
 
+With a ``prefix_store`` (prefix_store.py, where ``SamplingSupport.prefix_reuse``), a prompt that continues a stored
+prefix of its weights, or shares one with recent prompts (then prefilled once, as one row, and stored), prefills only
+its own tokens, against a copy of the prefix's cache: one forward for the requests of one prefix, their tokens
+left-padded after the prefix (the padding hidden by the mask, positions explicit), as if each had been prefilled
+whole. Prompts with images or asking for prompt logprobs are prefilled whole.
+
 Where a model's cache cannot do something (``SamplingSupport``, found by the load-time probe), the slower
 path keeps the results exact: no shared prefill (each row prefills its own copy; rows never leave), no padded
 batch (requests decode one after another), no stacking (a request waits until the running batch ends).

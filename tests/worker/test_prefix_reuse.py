@@ -303,3 +303,30 @@ def test_mixed_adapter_rows_reuse_only_their_own_prefixes(tiny_model_dir):
     assert len(set(keys)) == 3 and keys[0] == merged_entries[0].key
     assert sorted(tag for _, tag in keys) == sorted([f"snapshot:{a.snapshot_id}"] * 2 + [f"snapshot:{b.snapshot_id}"])
     assert host.prefix_store.stats.hits == 1
+
+
+# --- through the worker: the SDK's in-flight requests, with and without reuse ------------------------------------
+
+
+def test_the_sdks_concurrent_requests_get_the_same_answers_with_and_without_reuse(worker_factory):
+    import pytrio_compat as trio
+
+    answers, stores = [], []
+    for flags in ((), ("--prefix-cache-bytes", "0")):
+        worker = worker_factory(*flags)
+        service = trio.ServiceClient(base_url=worker.base_url)
+        try:
+            training = service.create_lora_training_client("tiny", rank=4, seed=7)
+            sampler = training.save_weights_and_get_sampling_client()
+            params = trio.SamplingParams(max_tokens=6, temperature=0.0)
+            futures = [sampler.sample(prompt=trio.ModelInput.from_ints(_spec(i).prompt_tokens), num_samples=1,
+                                      sampling_params=params) for i in range(10)]
+            answers.append([f.result().sequences[0] for f in futures])
+        finally:
+            service.close()
+        stores.append(worker.service.models.loaded("tiny").prefix_store)
+    with_reuse, without = answers
+    assert [s.tokens for s in with_reuse] == [s.tokens for s in without]
+    for x, y in zip(with_reuse, without):
+        assert np.abs(np.asarray(x.logprobs) - np.asarray(y.logprobs)).max() <= TOL
+    assert stores[1] is None and stores[0].stats.hits + stores[0].stats.tokens_reused > 0
