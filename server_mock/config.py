@@ -376,6 +376,14 @@ class TrainOptions:
                                                      "batches (engine/adapter_pool.py: least recently used evicted "
                                                      "first, loaded again on demand); 0 decodes each adapter's "
                                                      "requests in batches of their own", minimum=0, metavar="BYTES")
+    # prompt prefixes' KV caches kept across sample requests (sampling/prefix_store.py); full-attention models only
+    prefix_cache_bytes: int = setting(256 * 1024 ** 2, "bytes of prompt-prefix KV caches kept across sample "
+                                                       "requests: a prefix many prompts share (a few-shot "
+                                                       "conversation) is prefilled once per weights and the rest of "
+                                                       "each prompt against a copy of it (least recently used "
+                                                       "evicted first; full-attention models only, found at load; "
+                                                       "not with --batch-invariant); 0 prefills every prompt whole",
+                                      minimum=0, why="0 turns prefix reuse off", metavar="BYTES")
     batch_invariant: bool = setting(False, "decode every sample request with per-request matmul shapes, so its "
                                            "tokens and logprobs are bit-identical whichever requests share its "
                                            "batch (slower: see docs/benchmarks.md)")

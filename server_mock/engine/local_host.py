@@ -32,6 +32,7 @@ from server_mock.engine.vision_probe import probe_image_decoding
 from server_mock.errors import bad_request
 from server_mock.lora import Adapter, Snapshot, align_adapter_keys, linear_groups, lora_config
 from server_mock.sampling.generate import generate_batch
+from server_mock.sampling.prefix_store import PrefixStore
 from server_mock.sampling.static_steps import StaticSteps
 from server_mock.training import adamw, prefix_cache, prefix_sharing
 from server_mock.training.forward_backward import TrainModel, forward_backward_steps, token_logprobs
@@ -76,6 +77,19 @@ class LocalModelHost(ModelFacts):
         self.adapter_pool = (AdapterPool(options.adapter_pool_bytes, dtype, device)
                              if options.adapter_pool_bytes > 0 else None)
         self.batch_invariant = options.batch_invariant and self.adapter_pool is not None
+        self.prefix_store = self._prefix_store()
+        self.decode_profile: dict[str, float] | None = None  # seconds per decode phase, where a benchmark asks
+
+    def _prefix_store(self) -> PrefixStore | None:
+        """The prompt-prefix caches of this model's sampling (``--prefix-cache-bytes``), where reusing them is exact:
+        a full-attention text model (the probe's ``prefix_reuse``), and not under ``--batch-invariant`` (whose
+        results must not depend on what other requests left behind)."""
+        budget = self.options.prefix_cache_bytes
+        if budget < 0:
+            raise ValueError("prefix_cache_bytes must be >= 0 (0 turns prefix reuse off)")
+        if budget == 0 or not self.sampling_support.prefix_reuse or self.batch_invariant or self.vision is not None:
+            return None
+        return PrefixStore(budget)
 
     def _load_vision(self) -> tuple[ImageProcessing | None, str | None]:
         """An image-text model's image processing, and why images cannot be served on it (None: they can)."""

@@ -54,7 +54,9 @@ class SamplingSession:
         self.merged = isinstance(self.model, MergedDecoder)
         self.load_weights_s = time.perf_counter() - started
         self.batch = DecodeBatch(self.model, host.tokenizer, host.sampling_support,
-                                 static=None if self.mixed else host.static_steps(self.model), vision=host.vision)
+                                 profile=getattr(host, "decode_profile", None),
+                                 static=None if self.mixed else host.static_steps(self.model), vision=host.vision,
+                                 prefix_store=getattr(host, "prefix_store", None))
         self.requests = 0  # requests added so far (the batch_requests metric)
 
     @property

@@ -23,6 +23,7 @@ __all__ = ["Float32Head", "probe_sampling", "refuse", "use_float32_head"]
 
 _PROBE_PROMPTS = (11, 6)  # two prompt lengths: the shorter is left-padded when both are prefilled together
 _PROBE_STEPS = 3
+_PROBE_PREFIX = 7  # a shared prefix, then the two prompts as suffixes of different lengths (a hole in the mask)
 
 
 def refuse(model_type: str, missing: str) -> WorkerError:
@@ -88,7 +89,9 @@ def probe_sampling(model: nn.Module, vocab_size: int) -> SamplingSupport:
         joined = padded and all(
             _agrees(lambda a=a, b=b: _decode_joined(model, a, b, follow, refs), torch.zeros(()), tol)
             for a, b in ((short_p, long_p), (long_p, short_p)))
-    support = SamplingSupport(shared_prefix=shared, padded_batch=padded, join_running=joined)
+        reused = shared and joined and _agrees(lambda: _decode_on_prefix(model, vocab_size, follow, tol),
+                                               torch.zeros(()), tol)
+    support = SamplingSupport(shared_prefix=shared, padded_batch=padded, join_running=joined, prefix_reuse=reused)
     if not shared:
         logger.warning("model type %s: its cache cannot be expanded or reordered; every sample row prefills its "
                        "own copy of the prompt and stopped rows stay in the batch (correct, slower)", model_type)
@@ -98,6 +101,9 @@ def probe_sampling(model: nn.Module, vocab_size: int) -> SamplingSupport:
     elif not joined:
         logger.warning("model type %s: its cache cannot take new rows while decoding; a sample request that arrives "
                        "during a batch's decode waits for that batch to end (correct, slower)", model_type)
+    if not reused:
+        logger.info("model type %s: prompts are prefilled whole (a shared prefix's cache is not reused across "
+                    "requests: its cache is not full attention only, or a split prefill differs)", model_type)
     return support
 
 
@@ -179,3 +185,48 @@ def _decode_padded(model, long_p, short_p, follow):
         rows.append(logits[1, -1])
         positions = positions + 1
     return torch.stack(rows)
+
+
+def _decode_on_prefix(model, vocab_size: int, follow, tol: float):
+    """Prefill a prefix once as one row, copy its cache to two rows and prefill two suffixes of different lengths
+    against it (the shorter left-padded after the prefix, the padding hidden by the mask), then decode both, as
+    ``DecodeBatch`` does with a stored prefix; the largest gap of either row's logits to a full forward of its whole
+    prompt (None when the cache is not full attention only)."""
+    device = follow.device
+    gen = torch.Generator().manual_seed(1)
+    low = min(3, vocab_size - 1)
+    prefix = torch.randint(low, vocab_size, (1, _PROBE_PREFIX), generator=gen).to(device)
+    suffixes = [torch.randint(low, vocab_size, (1, n), generator=gen).to(device) for n in (4, 2)]
+    refs = []
+    for suffix in suffixes:
+        whole = torch.cat([prefix, suffix, follow], 1)
+        logits = model(input_ids=whole, use_cache=False).logits.float()[0]
+        refs.append(logits[_PROBE_PREFIX + suffix.shape[1] - 1:])
+    _, cache = _forward(model, prefix)
+    if not cache_rows.full_attention_only(cache):
+        return None
+    rows = cache_rows.repeated(cache, 2)
+    longest = max(s.shape[1] for s in suffixes)
+    ids = torch.zeros((2, longest), dtype=torch.long, device=device)
+    mask = torch.ones((2, _PROBE_PREFIX + longest), dtype=torch.long, device=device)
+    positions = torch.zeros((2, longest), dtype=torch.long, device=device)
+    for b, suffix in enumerate(suffixes):
+        n = suffix.shape[1]
+        ids[b, longest - n:] = suffix[0]
+        mask[b, _PROBE_PREFIX:_PROBE_PREFIX + longest - n] = 0
+        positions[b] = _PROBE_PREFIX
+        positions[b, longest - n:] = torch.arange(_PROBE_PREFIX, _PROBE_PREFIX + n, device=device)
+    logits, rows = _forward(model, ids, rows, mask, positions)
+    got = [[logits[0, -1]], [logits[1, -1]]]
+    nxt = torch.tensor([[_PROBE_PREFIX + s.shape[1]] for s in suffixes], device=device)
+    for t in range(follow.shape[1]):
+        mask = torch.cat([mask, mask.new_ones((2, 1))], dim=1)
+        logits, rows = _forward(model, follow[:, t:t + 1].expand(2, 1), rows, mask, nxt)
+        got[0].append(logits[0, -1])
+        got[1].append(logits[1, -1])
+        nxt = nxt + 1
+    # the stored prefix must be untouched by its copies' decoding: a second copy gives the first row's logits again
+    again, _ = _forward(model, ids[:1, longest - suffixes[0].shape[1]:], cache_rows.repeated(cache, 1))
+    gaps = [(torch.stack(g) - ref).abs().max() for g, ref in zip(got, refs)]
+    gaps.append((again[0, -1] - refs[0][0]).abs().max())
+    return torch.stack(gaps).max()

@@ -24,7 +24,7 @@ from transformers.cache_utils import (
     LinearAttentionCacheLayerMixin,
 )
 
-__all__ = ["give_room", "keep_rows", "stack", "stackable"]
+__all__ = ["full_attention_only", "give_room", "keep_rows", "repeated", "stack", "stackable"]
 
 
 class _Room:
@@ -110,6 +110,26 @@ def give_room(cache, columns: int) -> None:
 def keep_rows(cache, index: torch.Tensor) -> None:
     """Keep cache rows ``index`` (in that order; a repeated index repeats a row), every layer kind."""
     cache.reorder_cache(index)
+
+
+# --- a stored prefix's cache, copied for the rows that continue it (prefix_store.py) --------------------------
+
+
+def full_attention_only(cache) -> bool:
+    """Whether every layer of the cache is an initialized full-attention layer (keys and values of every column,
+    nothing else): such a cache is a function of its tokens alone and can be copied for other rows."""
+    layers = getattr(cache, "layers", None)
+    return bool(layers) and all(
+        _full_attention(layer) and not isinstance(layer, LinearAttentionCacheLayerMixin)
+        and not getattr(layer, "record_past", False) and layer.is_initialized and layer.keys is not None
+        and layer.keys.numel() > 0 for layer in layers)
+
+
+def repeated(cache, rows: int) -> cache_utils.DynamicCache:
+    """A new cache holding ``rows`` copies of a one-row full-attention cache (``full_attention_only``); the
+    original is left as it is, so it can be copied again."""
+    return cache_utils.DynamicCache(ddp_cache_data=[
+        (layer.keys.expand(rows, -1, -1, -1), layer.values.expand(rows, -1, -1, -1)) for layer in cache.layers])
 
 
 # --- stacking a newly prefilled batch under a running one ----------------------------------------------------

@@ -15,6 +15,12 @@ A request's ``TokenStream`` (``SampleSpec.stream``, token_stream.py) is told eac
 sampled it ends, and a cancelled one's rows end before the next step samples them (one cancelled before it is
 admitted ends at once, without a prefill).
 
+With a ``prefix_store`` (prefix_store.py, where ``SamplingSupport.prefix_reuse``), a prompt that continues a stored
+prefix of its weights, or shares one with recent prompts (then prefilled once, as one row, and stored), prefills only
+its own tokens, against a copy of the prefix's cache: one forward for the requests of one prefix, their tokens
+left-padded after the prefix (the padding hidden by the mask, positions explicit), as if each had been prefilled
+whole. Prompts with images or asking for prompt logprobs are prefilled whole.
+
 Where a model's cache cannot do something (``SamplingSupport``, found by the load-time probe), the slower
 path keeps the results exact: no shared prefill (each row prefills its own copy; rows never leave), no padded
 batch (requests decode one after another), no stacking (a request waits until the running batch ends).
@@ -30,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from server_mock.sampling import cache_rows, prompt_images
+from server_mock.sampling.prefix_store import RECENT_PROMPTS, entry_key
 from server_mock.sampling.logprobs import EvalMode, prompt_logprobs
 from server_mock.sampling.token_choice import next_tokens, row_seed, stop_string_hit
 from server_mock.sampling.token_stream import CANCELLED
@@ -48,12 +55,15 @@ class SamplingSupport:
     rows ride along until the batch ends. ``padded_batch``: several prompts can be prefilled and decoded
     together, left-padded under an attention mask; otherwise coalesced requests run one after another.
     ``join_running``: a request prefilled while a batch decodes can join that batch (``cache_rows.stack``);
-    otherwise it waits for the batch to end.
+    otherwise it waits for the batch to end. ``prefix_reuse``: a prompt's cache is the same whether the prompt was
+    prefilled whole or as a stored prefix's copy followed by the rest (full attention only; off unless the probe
+    showed it), so ``DecodeBatch`` may use a ``prefix_store``.
     """
 
     shared_prefix: bool = True
     padded_batch: bool = True
     join_running: bool = True
+    prefix_reuse: bool = False
 
 
 FULL_SUPPORT = SamplingSupport()
@@ -148,8 +158,10 @@ class DecodeBatch:
     """Requests decoding as one batch (see the module docstring). Not thread-safe: one thread drives it."""
 
     def __init__(self, model, tokenizer=None, support: SamplingSupport = FULL_SUPPORT,
-                 profile: dict[str, float] | None = None, static=None, vision=None) -> None:
+                 profile: dict[str, float] | None = None, static=None, vision=None, prefix_store=None) -> None:
         self.model, self.tokenizer, self.support = model, tokenizer, support
+        # prompt prefixes' caches kept across requests (prefix_store.PrefixStore), used where ``support.prefix_reuse``
+        self.prefix_store = prefix_store
         # an image-text model's image processing (engine.vision.ImageProcessing): prompts with images are prefilled
         # with their pixels (prompt_images.py); once one has joined, every step passes explicit positions (M-RoPE)
         self.vision = vision
@@ -248,6 +260,13 @@ class DecodeBatch:
         self._prefill(take)
 
     def _prefill(self, handles: list[int]) -> None:
+        if self._reuses_prefixes():
+            handles = self._prefill_on_prefixes(handles)
+        if handles:
+            self._prefill_full(handles)
+
+    def _prefill_full(self, handles: list[int]) -> None:
+        """Prefill the requests' whole prompts, together (left-padded), and start their rows."""
         started = time.perf_counter()
         specs = [self.requests[h].spec for h in handles]
         new_rows = [r for h in handles for r in self.requests[h].rows]
@@ -270,6 +289,7 @@ class DecodeBatch:
         self._select_rows(list(handles) if self.support.shared_prefix else [self.rows[r].request for r in new_rows])
         if images is None:
             logits, cache = forward(self.model, ids, None, 0 if want_prompt else 1, mask, positions)
+            self._count("prefill", started)
         else:
             self._images = True
             self._leave_static()
@@ -283,6 +303,99 @@ class DecodeBatch:
                                                       spec.include_prompt_logprobs, spec.topk_prompt_logprobs)
         step_logits = logits[:, -1, :].float()
         del logits
+        lengths = torch.tensor([len(p) for p in prompts], device=self.device)
+        explicit = mask is not None
+        if images is not None and images.next_positions is not None:  # the text after an image (M-RoPE: + delta)
+            lengths, explicit = images.next_positions, True
+        self._begin(handles, prefill_of_row, len(prompts), cache, step_logits, mask, lengths, explicit,
+                    ids.shape[1], started)
+
+    # --- prompts that continue a stored prefix (prefix_store.py) ----------------------------------------------
+
+    def _reuses_prefixes(self) -> bool:
+        support = self.support
+        return (self.prefix_store is not None and support.prefix_reuse and support.shared_prefix
+                and support.padded_batch and support.join_running and self.vision is None and not self._images)
+
+    @staticmethod
+    def _may_reuse(spec) -> bool:
+        """A request whose prompt may continue a stored prefix: text only, no prompt logprobs, tokens to make."""
+        return (spec.max_tokens > 0 and not getattr(spec, "images", ()) and not spec.include_prompt_logprobs
+                and spec.topk_prompt_logprobs <= 0)
+
+    def _prefill_on_prefixes(self, handles: list[int]) -> list[int]:
+        """Prefill the requests whose prompts continue a stored prefix, or share one with recent prompts of their
+        weights (then prefilled once and stored), in one group per prefix; the handles left for a full prefill."""
+        store = self.prefix_store
+        groups: dict[tuple, list] = {}  # (weights key, prefix tokens) -> [entry or None, length, weights key, handles]
+        taken: set[int] = set()
+        eligible = [h for h in handles if self._may_reuse(self.requests[h].spec)]
+        for h in eligible:
+            request = self.requests[h]
+            prompt = request.spec.prompt_tokens
+            key = store.weights_key(self.model, request.tag)
+            entry = store.lookup(key, prompt)
+            if entry is not None:
+                group = groups.setdefault(entry_key(entry), [entry, len(entry.tokens), key, []])
+            else:
+                group = next((g for (k, tokens), g in groups.items() if k == key and g[0] is None
+                              and len(tokens) < len(prompt) and tuple(prompt[:len(tokens)]) == tokens), None)
+                if group is None:
+                    arriving = [self.requests[o].spec.prompt_tokens for o in eligible
+                                if o != h and self.requests[o].tag == request.tag][:RECENT_PROMPTS]
+                    n = store.shared_length(key, prompt, arriving)
+                    if n:
+                        group = groups.setdefault((key, tuple(prompt[:n])), [None, n, key, []])
+            store.remember(key, prompt)
+            if group is not None:
+                group[3].append(h)
+                taken.add(h)
+        for entry, n, key, members in groups.values():
+            if not self._prefill_suffixes(entry, n, key, members):
+                taken.difference_update(members)
+        return [h for h in handles if h not in taken]
+
+    def _prefill_suffixes(self, entry, n: int, key: tuple, handles: list[int]) -> bool:
+        """Prefill the prompts' tokens after their shared ``n``-token prefix against copies of its cache (``entry``,
+        or prefilled now as one row and stored), and start their rows; False if the prefix's cache cannot be
+        copied (then nothing was started)."""
+        started = time.perf_counter()
+        store = self.prefix_store
+        specs = [self.requests[h].spec for h in handles]
+        if entry is None:
+            prefix = specs[0].prompt_tokens[:n]
+            self._select_rows(handles[:1])
+            _, cache = forward(self.model, torch.tensor([prefix], dtype=torch.long, device=self.device), None, 1)
+            self._count("prefix_prefill", started)
+            if not cache_rows.full_attention_only(cache):
+                return False
+            entry = store.put(key, prefix, cache)
+            store.stats.tokens_reused += n * (len(handles) - 1)
+        copied = time.perf_counter()
+        cache = cache_rows.repeated(entry.cache, len(handles))
+        self._count("prefix_copy", copied)
+        suffixed = time.perf_counter()
+        ids, suffix_mask, suffix_positions = _left_padded([s.prompt_tokens[n:] for s in specs], self.device)
+        mask = positions = None
+        if suffix_mask is not None:  # the prefix, then the padding of the shorter suffixes (hidden), then each suffix
+            mask = torch.cat([suffix_mask.new_ones((len(handles), n)), suffix_mask], dim=1)
+            positions = suffix_positions + n
+        self._select_rows(list(handles))
+        logits, cache = forward(self.model, ids, cache, 1, mask, positions)
+        step_logits = logits[:, -1, :].float()
+        del logits
+        self._count("suffix_prefill", suffixed)
+        lengths = torch.tensor([len(s.prompt_tokens) for s in specs], device=self.device)
+        prefill_of_row = {r: i for i, h in enumerate(handles) for r in self.requests[h].rows}
+        self._begin(handles, prefill_of_row, len(handles), cache, step_logits, mask, lengths, mask is not None,
+                    n + ids.shape[1], started)
+        return True
+
+    def _begin(self, handles: list[int], prefill_of_row: dict[int, int], prefilled: int, cache, step_logits,
+               mask, lengths, explicit: bool, columns: int, started: float) -> None:
+        """The requests' rows start decoding from their prefill (``prefilled`` cache rows, ``prefill_of_row``: each
+        sample row's): expanded to their live sample rows, made the batch or stacked under it."""
+        new_rows = [r for h in handles for r in self.requests[h].rows]
         live = [r for r in new_rows if self.rows[r].spec.max_tokens > 0]
         for r in new_rows:
             self.rows[r].done = self.rows[r].spec.max_tokens <= 0
@@ -291,20 +404,16 @@ class DecodeBatch:
             rows = list(live)
         else:  # every row has its own cache row; rows with nothing to generate ride along
             index, rows = list(range(len(new_rows))), list(new_rows)
-        lengths = torch.tensor([len(p) for p in prompts], device=self.device)
-        explicit = mask is not None
-        if images is not None and images.next_positions is not None:  # the text after an image (M-RoPE: + delta)
-            lengths, explicit = images.next_positions, True
         part = None
         if live:
-            if index != list(range(len(prompts))):
+            if index != list(range(prefilled)):
                 idx = torch.tensor(index, dtype=torch.long, device=self.device)
                 cache_rows.keep_rows(cache, idx)
                 step_logits = step_logits[idx]
                 if mask is not None:
                     mask = mask[idx]
                 lengths = lengths[idx]
-            part = _Part(cache, step_logits, mask, lengths if explicit else None, ids.shape[1], rows)
+            part = _Part(cache, step_logits, mask, lengths if explicit else None, columns, rows)
         elapsed = time.perf_counter() - started
         self.prefill_s += elapsed
         for h in handles:
