@@ -1,8 +1,8 @@
 """Rows of different LoRA adapters decoding as one batch (engine/mixed_lora.py) and the adapter pool behind it
 (engine/adapter_pool.py): each request gets the tokens it gets alone (greedy and seeded), logprobs within 1e-4 of
 decoding it alone in float32, bit-identical ones under ``--batch-invariant``, on every tiny text and image-text
-family; requests of other adapters (and
-ranks) join and leave a running batch; no adapter weight is copied per decode step; the pool's byte budget."""
+family; requests of other adapters (and ranks) join and leave a running batch; no adapter weight is copied per
+decode step; the pool's byte budget."""
 
 from __future__ import annotations
 
