@@ -97,7 +97,8 @@ class ByteBudget:
 
     Shared things (``take_shared``: the adapter pools' resident sampler adapters) count only toward the total.
     They are a cache: a ``take`` that the total refuses first asks each of ``reclaimers`` (``reclaim(bytes) ->
-    bytes freed``) to free what is missing. Thread-safe: model threads charge their pools."""
+    bytes freed``) to free what is missing, where the shared bytes could cover it (otherwise it is refused and the
+    caches are kept). Thread-safe: model threads charge their pools."""
 
     def __init__(self, per_tenant: int, total: int, what: str, per_tenant_name: str, total_name: str) -> None:
         self.per_tenant, self.total = per_tenant, total
@@ -113,6 +114,8 @@ class ByteBudget:
         """Charge ``size`` bytes for ``key`` to ``tenant`` (``needs``: what they are, for the message)."""
         with self._lock:
             missing = self._check(tenant, size, needs)
+            if missing > self.shared:  # more than the pools could free: refused as it is, the pools kept
+                self._check(tenant, size, needs, refuse=True)
         if missing > 0 and self.reclaimers:  # outside the lock: a pool gives its bytes back through give_back
             for reclaim in self.reclaimers:
                 missing -= reclaim(missing)

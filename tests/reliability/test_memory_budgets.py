@@ -253,6 +253,9 @@ def test_a_training_run_reclaims_pool_bytes_and_a_pool_load_past_the_total_is_re
     budget.take("run-1", "key-a", size + 1, "a run")  # one past: the pool makes room
     assert pool.keys() == ["snap-4-1"] and pool.stats.evictions == 1
     assert budget.held == 2 * size + 1
+    with pytest.raises(WorkerError, match="--max-adapter-bytes-total"):  # more than the pool could free
+        budget.take("run-big", "key-a", 2 * size, "a run")
+    assert pool.keys() == ["snap-4-1"] and budget.held == 2 * size + 1  # refused as it was: the pool kept
     budget.give_back("run-1")
     budget.take("run-2", "key-a", 2 * size, "a run")  # the runs leave exactly one entry's bytes
     pool.reclaim(size)
