@@ -247,7 +247,8 @@ def test_every_tiny_text_family_mixes_adapters_of_different_ranks(tmp_path, arch
     assert out[handles[0]].sequences[0].logprobs != out[handles[-1]].sequences[0].logprobs
 
 
-@pytest.mark.parametrize("arch", [a for a in TINY_VLM_FAMILIES if a != "qwen3_5"])  # qwen3_5: the test above
+@pytest.mark.slow  # the default job keeps the qwen3_5 image-text test above
+@pytest.mark.parametrize("arch", [a for a in TINY_VLM_FAMILIES if a != "qwen3_5"])
 def test_every_tiny_image_text_family_mixes_adapters_on_text_prompts(tiny_vlm_dir, arch):
     """The other image-text families: adapters of ranks 4 and 8 and the base model in one batch of text prompts,
     each with its solo tokens."""
