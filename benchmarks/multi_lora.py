@@ -16,7 +16,9 @@ load / evict times with 64 adapters resident.
 ``--model random-smollm2``: a randomly initialised model of SmolLM2-135M's shape with the tiny tokenizer (for the
 GPU machines, which cannot download; decode speed does not depend on the weights).
 
-Modes are interleaved within a round and each keeps its best round (the machine may be shared).
+Modes are interleaved within a round and each keeps its best round (the machine may be shared). The same 8 x 8
+end to end, through the SDK over HTTP against a worker in its own process with default flags (the acceptance
+check): ``benchmarks/multi_lora_sdk.py``.
 """
 
 from __future__ import annotations

@@ -160,8 +160,10 @@ class Limits:
                                         "AdamW moments: 16 bytes a parameter, from the model's layout); 0: a quarter "
                                         "of --max-adapter-bytes-total", minimum=0, why="0 is the default",
                                      group="tenants")
-    max_adapter_bytes_total: int = setting(0, "memory the training runs of all keys may hold together; 0: half of "
-                                              "the device's memory (the GPU's, or RAM on the CPU)", minimum=0,
+    max_adapter_bytes_total: int = setting(0, "memory the training runs of all keys and the sampler adapters "
+                                              "resident in the adapter pool may hold together (pool entries are "
+                                              "evicted first); 0: half of the device's memory (the GPU's, or RAM "
+                                              "on the CPU)", minimum=0,
                                            why="0 is the default", group="tenants")
     # requests of different tenants decoded as one batch would let each see the other's traffic (batch_requests,
     # timings, the last bits of seeded logprobs); batching them is faster when many tenants sample one base model

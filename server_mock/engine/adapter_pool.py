@@ -9,19 +9,26 @@ joins (engine/mixed_lora.py), so the decode steps themselves never copy adapter 
 Entries are kept most recently used last; adding one past ``max_bytes`` evicts the least recently used. An
 evicted entry's weights stay where the service keeps the snapshot (host memory, or the checkpoint store on disk)
 and are prepared again on the next request for them (``load_seconds`` records how long each load took).
+
+The resident entries also count against the worker's adapter memory (``--max-adapter-bytes-total``, which the
+training runs' adapters share) through ``budget``: an entry is charged when it is loaded and given back when it is
+evicted. A load that the budget refuses evicts this pool's least recently used entries first and fails only when
+none is left; the budget can ask the pool to free bytes (``reclaim``) when a training run needs them.
 """
 
 from __future__ import annotations
 
 import collections
+import threading
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from server_mock.lora import LORA_ALPHA, Snapshot
 
-__all__ = ["AdapterPool", "PoolEntry", "RANK_BUCKETS", "rank_bucket"]
+__all__ = ["AdapterPool", "PoolBudget", "PoolEntry", "RANK_BUCKETS", "rank_bucket"]
 
 RANK_BUCKETS = (8, 16, 32, 64, 128, 256)
 
@@ -43,6 +50,16 @@ class PoolEntry:
     bucket: int
     layers: dict[str, tuple[torch.Tensor, torch.Tensor]]
     nbytes: int
+
+
+class PoolBudget(Protocol):
+    """Where a pool's resident bytes are counted beside other adapter memory (service/quotas.py's ``PoolCharge``)."""
+
+    def charge(self, key: str, size: int) -> None:
+        """Count ``size`` bytes for the entry ``key``, or raise (changing nothing) where they do not fit."""
+
+    def release(self, key: str) -> None:
+        """The entry ``key`` is gone: its bytes no longer count."""
 
 
 @dataclass
@@ -91,18 +108,23 @@ def prepare(snapshot: Snapshot, dtype: torch.dtype, device) -> PoolEntry:
 
 
 class AdapterPool:
-    """Snapshots' LoRA weights resident for mixed decoding, least recently used evicted past ``max_bytes``."""
+    """Snapshots' LoRA weights resident for mixed decoding, least recently used evicted past ``max_bytes`` (and
+    where ``budget`` cannot hold another entry). Thread-safe: the model's thread loads, a training run's request
+    may reclaim."""
 
-    def __init__(self, max_bytes: int, dtype: torch.dtype, device) -> None:
+    def __init__(self, max_bytes: int, dtype: torch.dtype, device, budget: PoolBudget | None = None) -> None:
         if max_bytes < 1:
             raise ValueError("adapter_pool_bytes must be at least 1 (raise --adapter-pool-bytes)")
         self.max_bytes, self.dtype, self.device = max_bytes, dtype, device
+        self.budget = budget
         self._entries: collections.OrderedDict[str, PoolEntry] = collections.OrderedDict()
+        self._lock = threading.RLock()
         self.stats = PoolStats()
 
     @property
     def nbytes(self) -> int:
-        return sum(entry.nbytes for entry in self._entries.values())
+        with self._lock:
+            return sum(entry.nbytes for entry in self._entries.values())
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -112,25 +134,51 @@ class AdapterPool:
 
     def keys(self) -> list[str]:
         """Resident snapshot ids, least recently used first."""
-        return list(self._entries)
+        with self._lock:
+            return list(self._entries)
 
     def get(self, snapshot: Snapshot) -> PoolEntry:
         """The snapshot's entry, loaded (and the least recently used evicted) if it is not resident. An entry
-        larger than the whole budget is refused with a ValueError naming the option."""
-        entry = self._entries.pop(snapshot.snapshot_id, None)
-        if entry is not None:
-            self.stats.hits += 1
+        larger than the whole pool is refused with a ValueError naming the option; one that the budget cannot hold
+        even with the pool empty, with the budget's error (naming its flag)."""
+        with self._lock:
+            entry = self._entries.pop(snapshot.snapshot_id, None)
+            if entry is not None:
+                self.stats.hits += 1
+                self._entries[snapshot.snapshot_id] = entry
+                return entry
+            started = time.perf_counter()
+            entry = prepare(snapshot, self.dtype, self.device)
+            if entry.nbytes > self.max_bytes:
+                raise ValueError(f"a rank-{entry.rank} LoRA takes {entry.nbytes} bytes in the adapter pool, more "
+                                 f"than adapter_pool_bytes={self.max_bytes} (raise --adapter-pool-bytes)")
+            while self._entries and self.nbytes + entry.nbytes > self.max_bytes:
+                self._evict_oldest()
+            while self.budget is not None:
+                try:
+                    self.budget.charge(entry.key, entry.nbytes)
+                    break
+                except Exception:
+                    if not self._entries:
+                        raise
+                    self._evict_oldest()
             self._entries[snapshot.snapshot_id] = entry
+            self.stats.loads += 1
+            self.stats.load_seconds.append(time.perf_counter() - started)
             return entry
-        started = time.perf_counter()
-        entry = prepare(snapshot, self.dtype, self.device)
-        if entry.nbytes > self.max_bytes:
-            raise ValueError(f"a rank-{entry.rank} LoRA takes {entry.nbytes} bytes in the adapter pool, more than "
-                             f"adapter_pool_bytes={self.max_bytes} (raise --adapter-pool-bytes)")
-        while self._entries and self.nbytes + entry.nbytes > self.max_bytes:
-            self._entries.popitem(last=False)
-            self.stats.evictions += 1
-        self._entries[snapshot.snapshot_id] = entry
-        self.stats.loads += 1
-        self.stats.load_seconds.append(time.perf_counter() - started)
-        return entry
+
+    def reclaim(self, size: int) -> int:
+        """Evict least recently used entries until at least ``size`` bytes are freed (or none is left); the bytes
+        freed."""
+        freed = 0
+        with self._lock:
+            while self._entries and freed < size:
+                freed += self._evict_oldest()
+        return freed
+
+    def _evict_oldest(self) -> int:
+        key, entry = self._entries.popitem(last=False)
+        self.stats.evictions += 1
+        if self.budget is not None:
+            self.budget.release(key)
+        return entry.nbytes

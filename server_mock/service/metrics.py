@@ -118,7 +118,8 @@ class _ServiceState:
         adapters.add_metric(["snapshot"], len(service.checkpoints.snapshots))
         yield adapters
         held = GaugeMetricFamily(f"{PREFIX}_adapter_memory_bytes", "bytes the training runs' adapters hold (weights, "
-                                 "gradients, AdamW moments; the --max-adapter-bytes accounting)")
+                                 "gradients, AdamW moments) and the adapter pools' resident sampler adapters: the "
+                                 "--max-adapter-bytes-total accounting")
         held.add_metric([], service.adapter_memory.held)
         yield held
         device = GaugeMetricFamily(f"{PREFIX}_device_memory_bytes", "memory of the accelerator the models run on "

@@ -25,6 +25,7 @@ from server_mock.engine.queue import ModelQueue, QueueObserver, job_result
 from server_mock.engine.requests import RequestStore
 from server_mock.errors import WorkerError
 from server_mock.lora import Layer
+from server_mock.service.quotas import ByteBudget, PoolCharge
 
 logger = logging.getLogger("server_mock")
 
@@ -33,8 +34,10 @@ class Models:
     def __init__(self, sources: dict[str, str], device: str, dtype: torch.dtype, requests: RequestStore,
                  limits: Limits, train_options: TrainOptions, lazy: bool = False, cluster=None,
                  tokenizer_ids: dict[str, str] | None = None, lazy_allow: list[str] | None = None,
-                 observer: QueueObserver | None = None) -> None:
+                 observer: QueueObserver | None = None, adapter_memory: ByteBudget | None = None) -> None:
         self.sources = dict(sources)
+        # the worker's adapter bytes (--max-adapter-bytes-total): each local host's adapter pool is charged to it
+        self.adapter_memory = adapter_memory
         self.observer = observer  # told what every model queue runs (service/usage.py)
         # tenant id -> its weight=W from the keys file (engine/fairness.py; missing: 1), read by every queue
         self.weights: dict[str, float] = {}
@@ -110,8 +113,17 @@ class Models:
                     self.queues[f"{name}:sampling"] = host.sampling_queue(asyncio.get_running_loop())
                     self.queues[f"{name}:sampling"].observer = self.queues[name].observer
                     self.queues[f"{name}:sampling"].policy = FairShare(weights=self.weights)
+                self._charge_pool(name, host)
                 self.hosts[name] = host
         return self.hosts[name]
+
+    def _charge_pool(self, name: str, host: ModelHost) -> None:
+        """Count the host's resident sampler adapters in the worker's adapter budget (the training runs' too)."""
+        pool = getattr(host, "adapter_pool", None)
+        if pool is None or self.adapter_memory is None:
+            return
+        pool.budget = PoolCharge(self.adapter_memory, name)
+        self.adapter_memory.reclaimers.append(pool.reclaim)
 
     async def lora_layout(self, name: str, owner: str = "") -> dict[str, Layer]:
         """The model's LoRA-able layers (read once, on the model's thread: PEFT may be wrapping them)."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import Generic, TypeVar
+from typing import Callable, Generic, TypeVar
 
 from server_mock.engine.requests import RequestStore
 from server_mock.errors import WorkerError
@@ -93,40 +93,100 @@ def check_queued(requests: RequestStore, tenant: str, limit: int) -> None:
 
 class ByteBudget:
     """Bytes held by each tenant's things and by all of them together, within a limit for each (a ``take`` that
-    would pass one is refused with 429 naming it, and changes nothing)."""
+    would pass one is refused with 429 naming it, and changes nothing).
+
+    Shared things (``take_shared``: the adapter pools' resident sampler adapters) count only toward the total.
+    They are a cache: a ``take`` that the total refuses first asks each of ``reclaimers`` (``reclaim(bytes) ->
+    bytes freed``) to free what is missing, where the shared bytes could cover it (otherwise it is refused and the
+    caches are kept). Thread-safe: model threads charge their pools."""
 
     def __init__(self, per_tenant: int, total: int, what: str, per_tenant_name: str, total_name: str) -> None:
         self.per_tenant, self.total = per_tenant, total
         self.what, self.per_tenant_name, self.total_name = what, per_tenant_name, total_name
         self.by_tenant: dict[str, int] = {}
         self.held = 0
-        self._items: dict[str, tuple[str, int]] = {}
+        self.shared = 0  # of ``held``: the bytes of take_shared
+        self.reclaimers: list[Callable[[int], int]] = []
+        self._items: dict[str, tuple[str | None, int]] = {}
+        self._lock = threading.Lock()
 
     def take(self, key: str, tenant: str, size: int, needs: str) -> None:
         """Charge ``size`` bytes for ``key`` to ``tenant`` (``needs``: what they are, for the message)."""
+        with self._lock:
+            missing = self._check(tenant, size, needs)
+            if missing > self.shared:  # more than the pools could free: refused as it is, the pools kept
+                self._check(tenant, size, needs, refuse=True)
+        if missing > 0 and self.reclaimers:  # outside the lock: a pool gives its bytes back through give_back
+            for reclaim in self.reclaimers:
+                missing -= reclaim(missing)
+                if missing <= 0:
+                    break
+        with self._lock:
+            if self._check(tenant, size, needs, refuse=True) == 0:
+                self._add(key, tenant, size)
+
+    def take_shared(self, key: str, size: int, needs: str) -> None:
+        """Charge ``size`` bytes for ``key`` to the worker's total only (no tenant's share)."""
+        with self._lock:
+            if self.held + size > self.total:
+                raise WorkerError(429, "memory_budget_exceeded",
+                                  f"{self.what}: {needs} needs {size} bytes; the training runs and resident "
+                                  f"adapters hold {self.held} of the worker's limit {self.total_name}={self.total} "
+                                  f"(--{self.total_name.replace('_', '-')}); retry later", self.what)
+            self._add(key, None, size)
+
+    def _check(self, tenant: str, size: int, needs: str, refuse: bool = False) -> int:
+        """Raise if ``tenant``'s share cannot hold ``size`` more bytes; the bytes the total lacks (with
+        ``refuse``: raise instead)."""
         mine = self.by_tenant.get(tenant, 0)
         if mine + size > self.per_tenant:
             raise WorkerError(429, "memory_budget_exceeded",
                               f"{self.what}: {needs} needs {size} bytes; this API key's {self.what}s hold {mine} of "
                               f"its limit {self.per_tenant_name}={self.per_tenant}; delete some or ask for less",
                               self.what)
-        if self.held + size > self.total:
+        missing = self.held + size - self.total
+        if missing > 0 and refuse:
             raise WorkerError(429, "memory_budget_exceeded",
                               f"{self.what}: {needs} needs {size} bytes; the {self.what}s of all API keys hold "
-                              f"{self.held} of the worker's limit {self.total_name}={self.total}; retry later",
-                              self.what)
+                              f"{self.held} of the worker's limit {self.total_name}={self.total} "
+                              f"(--{self.total_name.replace('_', '-')}); retry later", self.what)
+        return max(0, missing)
+
+    def _add(self, key: str, tenant: str | None, size: int) -> None:
         self._items[key] = (tenant, size)
-        self.by_tenant[tenant] = mine + size
         self.held += size
+        if tenant is None:
+            self.shared += size
+        else:
+            self.by_tenant[tenant] = self.by_tenant.get(tenant, 0) + size
 
     def give_back(self, key: str) -> None:
-        item = self._items.pop(key, None)
-        if item is None:
-            return
-        tenant, size = item
-        self.held -= size
-        left = self.by_tenant.get(tenant, 0) - size
-        if left > 0:
-            self.by_tenant[tenant] = left
-        else:
-            self.by_tenant.pop(tenant, None)
+        with self._lock:
+            item = self._items.pop(key, None)
+            if item is None:
+                return
+            tenant, size = item
+            self.held -= size
+            if tenant is None:
+                self.shared -= size
+                return
+            left = self.by_tenant.get(tenant, 0) - size
+            if left > 0:
+                self.by_tenant[tenant] = left
+            else:
+                self.by_tenant.pop(tenant, None)
+
+
+class PoolCharge:
+    """A model's adapter pool (engine/adapter_pool.py) charged to the worker's adapter ``ByteBudget``: each
+    resident entry's bytes count toward --max-adapter-bytes-total while it stays in the pool."""
+
+    def __init__(self, budget: ByteBudget, model: str) -> None:
+        self.budget, self.model = budget, model
+
+    def charge(self, key: str, size: int) -> None:
+        self.budget.take_shared(f"pool\x00{self.model}\x00{key}", size,
+                                f"sampler adapter {key} on {self.model} (its adapter pool entry)")
+
+    def release(self, key: str) -> None:
+        self.budget.give_back(f"pool\x00{self.model}\x00{key}")

@@ -53,15 +53,15 @@ class WorkerService:
         self.usage = Usage(self.budgets)
         self.store = CheckpointStore(storage)
         self.store.build_index()  # which runs are whose: listings then read only the caller's folders
-        self.models = Models(models, device, dtype, self.requests, self.limits, train_options or TrainOptions(),
-                             lazy=lazy_models, cluster=cluster, tokenizer_ids=tokenizer_ids, lazy_allow=lazy_allow,
-                             observer=self.usage)
-        self.checkpoints = Checkpoints(self.store, TenantLRU(self.limits.max_snapshots), self.journal,
-                                       self.storage_options.max_storage_bytes_per_tenant,
-                                       Archives(self.store, self.limits.max_archive_builds))
         total = self.limits.max_adapter_bytes_total or device_memory(device) // 2
         self.adapter_memory = ByteBudget(self.limits.max_adapter_bytes or total // 4, total, "lora",
                                          "max_adapter_bytes", "max_adapter_bytes_total")
+        self.models = Models(models, device, dtype, self.requests, self.limits, train_options or TrainOptions(),
+                             lazy=lazy_models, cluster=cluster, tokenizer_ids=tokenizer_ids, lazy_allow=lazy_allow,
+                             observer=self.usage, adapter_memory=self.adapter_memory)
+        self.checkpoints = Checkpoints(self.store, TenantLRU(self.limits.max_snapshots), self.journal,
+                                       self.storage_options.max_storage_bytes_per_tenant,
+                                       Archives(self.store, self.limits.max_archive_builds))
         self.runs = Runs(self.models, self.requests, self.checkpoints, self.limits, self.fault_injection,
                          self.adapter_memory, self.journal, budgets=self.budgets)
         self.stability = StabilityRecords(self.limits)  # per-sequence sampling records (stable_reinforce)

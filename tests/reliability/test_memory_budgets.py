@@ -165,3 +165,137 @@ def test_an_expired_tinker_future_answers_404(tiny_model_dir, tmp_path):
             time.sleep(1.6)
             gone = http.post("/retrieve_future", json={"request_id": created["request_id"]})
             assert gone.status_code == 404 and gone.json()["code"] == "request_not_found", gone.text
+
+
+# --- the adapter pools' resident sampler adapters, counted in the same worker-wide budget ---
+
+
+def _random_snapshots(host, count: int, rank: int = 4) -> list:
+    """``count`` snapshots of random rank-``rank`` LoRA tensors in PEFT's layout on the host's model."""
+    import torch
+
+    from pytrio_compat.wire import LoraSpec
+    from server_mock.lora import Snapshot, model_layout
+
+    spec = LoraSpec(rank=rank)
+    targets = host.lora_targets(spec)
+    layout = model_layout(host.model, host._linear_groups)
+    snaps = []
+    for i in range(count):
+        gen = torch.Generator().manual_seed(i)
+        tensors = {}
+        for name in targets:
+            tensors[f"base_model.model.{name}.lora_A.weight"] = torch.randn(rank, layout[name].in_features,
+                                                                            generator=gen)
+            tensors[f"base_model.model.{name}.lora_B.weight"] = torch.randn(layout[name].out_features, rank,
+                                                                            generator=gen) * 0.05
+        snaps.append(Snapshot(f"snap-{rank}-{i}", spec, targets, tensors))
+    return snaps
+
+
+def _pool_setup(tiny_model_dir, count: int, total_in_entries: float):
+    """``count`` random snapshots, the bytes of one pool entry, a budget whose total is ``total_in_entries``
+    entries (and one key's share one entry), and a pool charged to it."""
+    import torch
+
+    from server_mock.config import TrainOptions
+    from server_mock.engine.adapter_pool import AdapterPool, prepare
+    from server_mock.engine.local_host import LocalModelHost
+    from server_mock.service.quotas import ByteBudget, PoolCharge
+
+    host = LocalModelHost("tiny", str(tiny_model_dir), "cpu", torch.float32, options=TrainOptions())
+    snaps = _random_snapshots(host, count)
+    size = prepare(snaps[0], torch.float32, "cpu").nbytes
+    budget = ByteBudget(size, int(total_in_entries * size), "lora", "max_adapter_bytes", "max_adapter_bytes_total")
+    pool = AdapterPool(1 << 40, torch.float32, "cpu", PoolCharge(budget, "tiny"))
+    budget.reclaimers.append(pool.reclaim)
+    return snaps, size, budget, pool
+
+
+def test_resident_pool_entries_count_in_the_worker_budget_and_eviction_frees_them(tiny_model_dir):
+    """A budget of exactly two entries holds two resident adapters (none evicted, both counted); a third evicts
+    the least recently used, whose bytes are given back. A pool entry counts toward the worker's total only, not
+    toward any API key's share."""
+    from server_mock.errors import WorkerError
+
+    snaps, size, budget, pool = _pool_setup(tiny_model_dir, 3, 2)
+    pool.get(snaps[0])
+    pool.get(snaps[1])
+    assert pool.keys() == ["snap-4-0", "snap-4-1"] and pool.stats.evictions == 0
+    assert budget.held == budget.shared == 2 * size and budget.by_tenant == {}
+    pool.get(snaps[2])  # one past the budget: the least recently used goes, its bytes with it
+    assert pool.keys() == ["snap-4-1", "snap-4-2"] and pool.stats.evictions == 1
+    assert budget.held == 2 * size
+    assert pool.reclaim(1) == size and budget.held == size  # the budget may ask for bytes back
+    # the per-key limit (one entry's bytes) is not touched by the pool: a run of exactly that fits...
+    budget.total = 2 * size
+    budget.take("run-a", "key-a", size, "a run")
+    assert budget.held == 2 * size and len(pool) == 1
+    with pytest.raises(WorkerError, match="max_adapter_bytes=") as over:  # ...and one byte more is the key's
+        budget.take("run-b", "key-a", 1, "a run")
+    assert over.value.status == 429 and budget.held == 2 * size and len(pool) == 1
+
+
+def test_a_training_run_reclaims_pool_bytes_and_a_pool_load_past_the_total_is_refused(tiny_model_dir):
+    """Total = 3 entries, two resident: a run of one entry's bytes fits beside them (the bound, nothing evicted);
+    one byte more evicts the least recently used entry. With the runs holding all but one entry's bytes an entry
+    still loads; with one byte more it cannot, even with the pool empty: 429 naming --max-adapter-bytes-total,
+    nothing changed."""
+    from server_mock.errors import WorkerError
+
+    snaps, size, budget, pool = _pool_setup(tiny_model_dir, 3, 3)
+    budget.per_tenant = 1 << 40
+    pool.get(snaps[0])
+    pool.get(snaps[1])
+    budget.take("run-1", "key-a", size, "a run")
+    assert budget.held == 3 * size and pool.stats.evictions == 0
+    budget.give_back("run-1")
+    budget.take("run-1", "key-a", size + 1, "a run")  # one past: the pool makes room
+    assert pool.keys() == ["snap-4-1"] and pool.stats.evictions == 1
+    assert budget.held == 2 * size + 1
+    with pytest.raises(WorkerError, match="--max-adapter-bytes-total"):  # more than the pool could free
+        budget.take("run-big", "key-a", 2 * size, "a run")
+    assert pool.keys() == ["snap-4-1"] and budget.held == 2 * size + 1  # refused as it was: the pool kept
+    budget.give_back("run-1")
+    budget.take("run-2", "key-a", 2 * size, "a run")  # the runs leave exactly one entry's bytes
+    pool.reclaim(size)
+    assert len(pool) == 0 and budget.held == 2 * size
+    pool.get(snaps[2])
+    assert pool.keys() == ["snap-4-2"] and budget.held == 3 * size
+    pool.reclaim(size)
+    budget.give_back("run-2")
+    budget.take("run-2", "key-a", 2 * size + 1, "a run")
+    with pytest.raises(WorkerError) as refused:
+        pool.get(snaps[0])
+    assert refused.value.status == 429 and "--max-adapter-bytes-total" in str(refused.value), refused.value
+    assert f"max_adapter_bytes_total={3 * size}" in str(refused.value)
+    assert len(pool) == 0 and budget.held == 2 * size + 1
+    with pytest.raises(WorkerError, match="--max-adapter-bytes-total"):  # a run the pool cannot make room for
+        budget.take("run-3", "key-b", size, "a run")
+    assert budget.held == 2 * size + 1
+
+
+def test_the_worker_charges_each_model_pool_to_its_adapter_budget(tiny_model_dir, tmp_path):
+    """Through the service: a mixed batch of two adapters on the worker's own host puts both in the pool, and the
+    worker's adapter budget (the one training runs are charged to) holds exactly the pool's bytes."""
+    import torch
+
+    from server_mock.sampling.generate import SampleSpec
+    from server_mock.service.worker import WorkerService
+
+    service = WorkerService({"tiny": str(tiny_model_dir)}, tmp_path, "cpu", torch.float32)
+    try:
+        host = asyncio.run(service.models.host("tiny"))
+        assert host.adapter_pool.budget.budget is service.adapter_memory
+        assert service.adapter_memory.held == 0
+        snaps = [*_random_snapshots(host, 1, rank=4), *_random_snapshots(host, 1, rank=8)]
+        session = host.sampling_session(snaps[0])
+        for snap in snaps:
+            session.add(SampleSpec(prompt_tokens=[5, 6, 7], num_samples=2, max_tokens=4, temperature=0.0,
+                                   stop_token_ids=[]), snap)
+        while session.active:
+            session.run(lambda: False)
+        assert len(host.adapter_pool) == 2
+        assert service.adapter_memory.held == service.adapter_memory.shared == host.adapter_pool.nbytes > 0
+    finally:
+        service.stop()

@@ -1,7 +1,8 @@
 """Rows of different LoRA adapters decoding as one batch (engine/mixed_lora.py) and the adapter pool behind it
 (engine/adapter_pool.py): each request gets the tokens it gets alone (greedy and seeded), logprobs within 1e-4 of
-decoding it alone in float32, bit-identical ones under ``--batch-invariant``; requests of other adapters (and
-ranks) join and leave a running batch; no adapter weight is copied per decode step; the pool's byte budget."""
+decoding it alone in float32, bit-identical ones under ``--batch-invariant``, on every tiny text and image-text
+family; requests of other adapters (and ranks) join and leave a running batch; no adapter weight is copied per
+decode step; the pool's byte budget."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from server_mock.engine.adapter_pool import AdapterPool, prepare, rank_bucket
 from server_mock.engine.local_host import LocalModelHost
 from server_mock.engine.mixed_lora import MixedLoraDecoder
 from server_mock.engine.queue import Job, ModelQueue
+from server_mock.engine.tiny_model import TINY_FAMILIES, make_tiny_model
+from server_mock.engine.tiny_vlm import TINY_VLM_FAMILIES
 from server_mock.lora import LORA_ALPHA, Snapshot, model_layout
 from server_mock.sampling.generate import SampleSpec, generate_batch
 
@@ -210,6 +213,46 @@ def test_batch_invariant_mode_is_bit_identical_to_solo(tiny_model_dir):
 def test_a_vision_language_model_batches_adapters_on_its_text_decoder(tiny_vlm_dir):
     """An image-text family (Qwen3.5's tiny VLM): two adapters and the base model in one batch, solo tokens."""
     vlm = LocalModelHost("vlm", str(tiny_vlm_dir("qwen3_5")), "cpu", torch.float32,
+                         options=TrainOptions(micro_batch_tokens=4096))
+    snaps = _snapshots(vlm, ranks=(4, 8))
+    weights = [*snaps, None]
+    specs = [SampleSpec(prompt_tokens=[10 + i, 40, 77, 90 + i], num_samples=2, max_tokens=6, seed=i,
+                        stop_token_ids=[]) for i in range(3)]
+    solo = [_solo(vlm, w, s) for w, s in zip(weights, specs)]
+    session = vlm.sampling_session(weights[0])
+    handles = [session.add(specs[0])] + [session.add(s, w) for w, s in zip(weights[1:], specs[1:])]
+    out: dict = {}
+    _drain(session, out)
+    assert session.mixed is not None
+    for handle, ref in zip(handles, solo):
+        _check(out[handle], ref)
+
+
+@pytest.mark.parametrize("arch", TINY_FAMILIES)
+def test_every_tiny_text_family_mixes_adapters_of_different_ranks(tmp_path, arch):
+    """Each tiny text family: adapters of ranks 4 and 16 and the base model in one batch, each request with its
+    solo tokens and logprobs within 1e-4, the slots padded to the larger rank's bucket."""
+    family = _host(make_tiny_model(tmp_path / arch, arch=arch, seed=3))
+    snaps = _snapshots(family, ranks=(4, 16))
+    weights = [*snaps, None]
+    specs = [_spec(i, max_tokens=8) for i in range(len(weights))]
+    solo = [_solo(family, w, s) for w, s in zip(weights, specs)]
+    session = family.sampling_session(weights[0])
+    handles = [session.add(specs[0])] + [session.add(s, w) for w, s in zip(weights[1:], specs[1:])]
+    out: dict = {}
+    _drain(session, out)
+    assert session.mixed is not None and session.mixed.slots.rank == rank_bucket(16)
+    for handle, ref in zip(handles, solo):
+        _check(out[handle], ref)
+    assert out[handles[0]].sequences[0].logprobs != out[handles[-1]].sequences[0].logprobs
+
+
+@pytest.mark.slow  # the default job keeps the qwen3_5 image-text test above
+@pytest.mark.parametrize("arch", [a for a in TINY_VLM_FAMILIES if a != "qwen3_5"])
+def test_every_tiny_image_text_family_mixes_adapters_on_text_prompts(tiny_vlm_dir, arch):
+    """The other image-text families: adapters of ranks 4 and 8 and the base model in one batch of text prompts,
+    each with its solo tokens."""
+    vlm = LocalModelHost("vlm", str(tiny_vlm_dir(arch)), "cpu", torch.float32,
                          options=TrainOptions(micro_batch_tokens=4096))
     snaps = _snapshots(vlm, ranks=(4, 8))
     weights = [*snaps, None]
