@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from dataclasses import replace
 import statistics
 import sys
 import tempfile
@@ -38,7 +39,7 @@ from benchmarks.common import save  # noqa: E402
 from pytrio_compat.wire import CreateSampler, CreateTrainingRun, LoraSpec, SampleRequest  # noqa: E402
 from pytrio_compat.wire import WireSamplingParams  # noqa: E402
 from server_mock.config import Limits, StorageOptions, TrainOptions  # noqa: E402
-from server_mock.engine.fairness import FairShare, RoundRobin  # noqa: E402
+from server_mock.engine.fairness import REQUEST_TOKENS, FairShare, Prices, RoundRobin  # noqa: E402
 from server_mock.engine.queue import job_result  # noqa: E402
 from server_mock.service.ops import ForwardBatch  # noqa: E402
 from server_mock.service.worker import WorkerService  # noqa: E402
@@ -73,7 +74,7 @@ class Tenant:
 
 
 async def _phase(service: WorkerService, tenants: list[Tenant], policy, sliced: bool, warmup: float,
-                 seconds: float, in_flight: int) -> dict:
+                 seconds: float, in_flight: int, kind: str) -> dict:
     """One measured window: the cost served to each key over it, and the queue waits of its requests."""
     queue = service.models.queue("m")
     queue.policy, queue.slice_jobs = policy, sliced
@@ -87,27 +88,39 @@ async def _phase(service: WorkerService, tenants: list[Tenant], policy, sliced: 
     last, t1 = queue.fairness(), time.monotonic()
     stop.set()
     await asyncio.gather(*loops)
-    served = {t.name: last.get(t.name, {}).get("served_cost", 0.0) - first.get(t.name, {}).get("served_cost", 0.0)
-              for t in tenants}
+    def delta(name: str, what: str) -> float:
+        return last.get(name, {}).get(what, 0.0) - first.get(name, {}).get(what, 0.0)
+
+    # the token cost alone: what the books served less the requests' fixed prices this phase's policy charged
+    fixed = policy.prices.of_request(kind)
+    tokens = {t.name: delta(t.name, "served_cost") - fixed * delta(t.name, "requests") for t in tenants}
+    requests = {t.name: delta(t.name, "requests") if fixed else
+                sum(1 for j in t.jobs if j.started is not None and t0 <= j.started <= t1) for t in tenants}
     waits = {t.name: [j.started - j.created for j in t.jobs if j.started is not None and t0 <= j.created <= t1]
              for t in tenants}
-    return {"window_s": t1 - t0, "served_cost": served, "waits": waits}
+    return {"window_s": t1 - t0, "token_cost": tokens, "requests": requests, "waits": waits}
 
 
-def _summary(parts: list[dict]) -> dict:
+def _summary(parts: list[dict], fixed: float) -> dict:
+    """A phase over its rounds: the cost served to the two keys, with each request's fixed price (``fixed``, the
+    same for every phase, whatever its policy charged) and without, their ratios, throughput and queue waits."""
     window = sum(p["window_s"] for p in parts)
-    served = {name: sum(p["served_cost"][name] for p in parts) for name in parts[0]["served_cost"]
-              if name != "probe"}
+    names = [name for name in parts[0]["token_cost"] if name != "probe"]
+    tokens = {name: sum(p["token_cost"][name] for p in parts) for name in names}
+    requests = {name: sum(p["requests"][name] for p in parts) for name in names}
+    served = {name: tokens[name] + fixed * requests[name] for name in names}
     waits = {}
     for name in parts[0]["waits"]:
         w = [x for p in parts for x in p["waits"][name]]
         waits[name] = {"p50_s": statistics.median(w) if w else None,
                        "p90_s": float(np.percentile(w, 90)) if w else None,
                        "max_s": max(w) if w else None, "requests": len(w)}
-    out = {"window_s": window, "served_cost": served, "cost_per_s": sum(served.values()) / window,
+    out = {"window_s": window, "served_cost": served, "token_cost": tokens, "requests": requests,
+           "cost_per_s": sum(served.values()) / window, "token_cost_per_s": sum(tokens.values()) / window,
            "queue_wait": waits}
     if len(served) == 2:
         out["ratio_heavy_over_light"] = served["heavy"] / served["light"] if served["light"] else None
+        out["token_ratio_heavy_over_light"] = tokens["heavy"] / tokens["light"] if tokens["light"] else None
     return out
 
 
@@ -153,37 +166,59 @@ async def _scenario(service: WorkerService, kind: str, args) -> dict:
     async def probe_submit():
         return service.samplers.submit(probe_sampler, probe_body, "probe")
     probe = Tenant("probe", probe_submit, pause=args.probe_every)
-    # the two phases interleaved round by round, so that the load of a shared machine hits them alike
-    phases = {"before": (RoundRobin, False), "after": (FairShare, True)}
+    # the phases interleaved round by round, so that the load of a shared machine hits them alike: the queue as it
+    # was (tenants in turn by job, forward ops in one go), the fair share priced by tokens alone, and the fair share
+    # with each request's fixed price too (both with forward ops in slices)
+    prices = Prices(request_tokens=args.request_tokens)
+    job_kind = "forward_backward" if kind == "train" else "sample"
+    phases = {"before": (RoundRobin(prices), False),
+              "fair, token prices": (FairShare(replace(prices, request_tokens=0.0)), True),
+              "after": (FairShare(prices), True)}
     if args.unsliced_too:  # the fair share with forward ops in one go: what the slicing itself costs
-        phases["after, unsliced"] = (FairShare, False)
+        phases["after, unsliced"] = (FairShare(prices), False)
+    for other in args.also_request_tokens:  # the fair share at another fixed price (served cost still read at ours)
+        phases[f"after, request_tokens={other:g}"] = (FairShare(replace(prices, request_tokens=other)), True)
     parts: dict[str, list[dict]] = {label: [] for label in phases}
     for _ in range(args.rounds):
         for label, (policy, sliced) in phases.items():
-            parts[label].append(await _phase(service, [heavy, light, probe], policy(), sliced, args.warmup,
-                                             args.seconds / args.rounds, args.in_flight))
-    before, after = _summary(parts["before"]), _summary(parts["after"])
-    out = {"scenario": kind, "shape": shape, "before": before, "after": after,
-           "cost_per_s_after_over_before": after["cost_per_s"] / before["cost_per_s"]}
-    if args.unsliced_too:
-        out["after, unsliced"] = unsliced = _summary(parts["after, unsliced"])
-        out["cost_per_s_unsliced_over_before"] = unsliced["cost_per_s"] / before["cost_per_s"]
+            parts[label].append(await _phase(service, [heavy, light, probe], policy.copy(), sliced, args.warmup,
+                                             args.seconds / args.rounds, args.in_flight, job_kind))
+    fixed = prices.of_request(job_kind)
+    out = {"scenario": kind, "shape": shape, "request_price": fixed}
+    for label in phases:
+        out[label] = _summary(parts[label], fixed)
+    before = out["before"]
+    out["over_before"] = {label: {"cost_per_s": out[label]["cost_per_s"] / before["cost_per_s"],
+                                  "token_cost_per_s": out[label]["token_cost_per_s"] / before["token_cost_per_s"],
+                                  "per_round": [sum(p["token_cost"][n] + fixed * p["requests"][n]
+                                                    for n in ("heavy", "light")) / p["window_s"]
+                                                / (sum(b["token_cost"][n] + fixed * b["requests"][n]
+                                                       for n in ("heavy", "light")) / b["window_s"])
+                                                for p, b in zip(parts[label], parts["before"])]}
+                          for label in phases if label != "before"}
     return out
 
 
 async def _prices(service: WorkerService, args) -> dict:
-    """Seconds per token: trained (forward_backward), prefill (forward op), decoded (sample rows at --rows)."""
+    """Seconds per token: trained (forward_backward), prefill (forward op), decoded (sample rows at --rows); and
+    the fixed seconds of a request, whatever its tokens: the intercept of a request's time against its tokens (a
+    forward op of one datum of --tiny-tokens against one of --datums x --datum-tokens; a sample of 4 tokens against
+    its per-token decode and prefill time), on the model thread (``time/run``) and end to end (``wall``: checking
+    the datums, queueing, running, encoding, waking the client)."""
     host = service.models.loaded("m")
     run = await service.runs.create(CreateTrainingRun(base_model="m", lora=LoraSpec(rank=8)), "prices")
     sampler = (await service.samplers.create(CreateSampler(base_model="m"), "prices")).sampler_id
     data = _datums(host.vocab_size, args.datums, args.datum_tokens, seed=9)
+    tiny = _datums(host.vocab_size, 1, args.tiny_tokens, seed=10)
     tokens = sum(len(d["tokens"]) for d in data)
     times = {"train": [], "prefill": [], "decode": []}
+    fixed = {"train_run": [], "train_wall": [], "prefill_run": [], "prefill_wall": [], "sample_wall": []}
 
-    async def forward(backward: bool) -> float:
-        prepared = await asyncio.to_thread(service.runs.prepare, run, ForwardBatch("cross_entropy", data, backward))
+    async def forward(backward: bool, datums: list[dict] = data) -> tuple[float, float]:
+        started = time.perf_counter()
+        prepared = await asyncio.to_thread(service.runs.prepare, run, ForwardBatch("cross_entropy", datums, backward))
         result = await job_result(service.runs.submit(run.run_id, prepared, "prices", seq_id=None).job)
-        return result["metrics"]["time/run"]
+        return result["metrics"]["time/run"], time.perf_counter() - started
 
     async def sample(max_tokens: int) -> float:
         body = SampleRequest(prompt_tokens=list(range(5, 5 + args.prompt_tokens)), num_samples=args.rows,
@@ -193,18 +228,37 @@ async def _prices(service: WorkerService, args) -> dict:
         await job_result(service.samplers.submit(sampler, body, "prices"))
         return time.perf_counter() - started
 
+    def intercept(big: tuple[float, float], small: tuple[float, float], which: int) -> float:
+        """The fixed seconds of a request: t = fixed + n x per-token, from a request of ``tokens`` and one of
+        --tiny-tokens."""
+        slope = (big[which] - small[which]) / (tokens - args.tiny_tokens)
+        return small[which] - slope * args.tiny_tokens
+
     await forward(True)
+    await forward(True, tiny)
     await sample(4)
     for _ in range(args.price_rounds):  # interleaved, so that load changes hit all three alike
-        times["train"].append(await forward(True) / tokens)
-        times["prefill"].append(await forward(False) / tokens)
+        train, train_tiny = await forward(True), await forward(True, tiny)
+        prefill, prefill_tiny = await forward(False), await forward(False, tiny)
+        times["train"].append(train[0] / tokens)
+        times["prefill"].append(prefill[0] / tokens)
+        fixed["train_run"].append(intercept(train, train_tiny, 0))
+        fixed["train_wall"].append(intercept(train, train_tiny, 1))
+        fixed["prefill_run"].append(intercept(prefill, prefill_tiny, 0))
+        fixed["prefill_wall"].append(intercept(prefill, prefill_tiny, 1))
         long, short = await sample(4 + args.sample_tokens), await sample(4)  # the difference: decode steps only
-        times["decode"].append(max(long - short, 1e-9) / (args.rows * args.sample_tokens))
+        step = max(long - short, 1e-9) / args.sample_tokens
+        times["decode"].append(step / args.rows)
+        fixed["sample_wall"].append(short - 4 * step - args.rows * args.prompt_tokens * times["prefill"][-1])
     per_token = {k: statistics.median(v) for k, v in times.items()}
+    per_request = {k: statistics.median(v) for k, v in fixed.items()}
     return {"seconds_per_token": per_token,
             "relative_to_prefill": {k: v / per_token["prefill"] for k, v in per_token.items()},
+            "fixed_seconds_per_request": per_request,
+            "fixed_per_request_in_prefill_tokens": {k: v / per_token["prefill"] for k, v in per_request.items()},
             "shape": {"datums": args.datums, "datum_tokens": args.datum_tokens, "rows": args.rows,
-                      "decode_tokens": args.sample_tokens, "rounds": args.price_rounds}}
+                      "decode_tokens": args.sample_tokens, "tiny_tokens": args.tiny_tokens,
+                      "rounds": args.price_rounds}}
 
 
 def smollm2_shaped(directory: Path) -> Path:
@@ -237,7 +291,8 @@ async def main_async(args) -> dict:
         from server_mock.engine.tiny_model import make_tiny_model
 
         model = str(make_tiny_model(Path(tempfile.mkdtemp()) / "tiny"))
-    limits = Limits(decode_slice_seconds=args.slice)
+    # closed loops of forward_backward with no optim_step: more pending forward ops than a worker allows by default
+    limits = Limits(decode_slice_seconds=args.slice, max_pending_forward_ops=1_000_000)
     service = WorkerService({"m": model}, tempfile.mkdtemp(), "cpu", torch.float32, limits=limits,
                             train_options=TrainOptions(micro_batch_tokens=args.micro_batch_tokens),
                             storage_options=StorageOptions(durability=args.durability))
@@ -269,9 +324,15 @@ def main() -> None:
     parser.add_argument("--slice", type=float, default=0.5, help="decode slice seconds")
     parser.add_argument("--probe-every", type=float, default=0.3, help="seconds between the probe key's requests")
     parser.add_argument("--prices", action="store_true", help="measure the per-token prices first")
+    parser.add_argument("--request-tokens", type=float, default=REQUEST_TOKENS,
+                        help="a request's fixed price, in tokens of its kind (engine/fairness.py REQUEST_TOKENS)")
+    parser.add_argument("--also-request-tokens", type=float, action="append", default=[],
+                        help="also a phase of the fair share at this fixed price (repeatable)")
     parser.add_argument("--unsliced-too", action="store_true",
                         help="also the fair share with forward ops in one go (what slicing costs)")
     parser.add_argument("--price-rounds", type=int, default=5)
+    parser.add_argument("--tiny-tokens", type=int, default=4,
+                        help="--prices: the tokens of the one-datum request whose time is mostly fixed cost")
     parser.add_argument("--model", help="a model folder, or smollm2-shape (SmolLM2-135M's shape, random weights; "
                                         "default: the tiny random model)")
     parser.add_argument("--out", default="fairness", help="results/<OUT>.json")

@@ -9,9 +9,10 @@ the backlog), so that idle time is not banked as credit.
 
 Cost is priced per token, across training and sampling alike (``Prices``): a ``forward_backward`` op's datum
 tokens at the train price, a ``forward`` op's at the prefill price, a sample request's prompt at the prefill price
-and each token it returns at the decode price. The defaults are per-token model time measured on the worker's
-CPU (docs/operations.md, "Fair scheduling"; ``benchmarks/fairness.py --prices`` measures them again), relative to
-one prefill token. ``RoundRobin`` keeps the same books but takes tenants strictly in turn (the order before
+and each token it returns at the decode price; and each such request, when it begins to run, a fixed price for
+what it costs whatever its tokens (``REQUEST_TOKENS`` tokens of its kind). The defaults are model time measured on
+the worker's CPU (docs/operations.md, "Fair scheduling"; ``benchmarks/fairness.py --prices`` measures them again),
+relative to one prefill token. ``RoundRobin`` keeps the same books but takes tenants strictly in turn (the order before
 costs were counted; the benchmark's baseline).
 
 Everything here is called by the queue under its lock, on its thread or the event loop's; nothing here blocks.
@@ -32,6 +33,14 @@ from typing import Iterable, Mapping
 TRAIN_PRICE = 2.0
 PREFILL_PRICE = 1.0
 DECODE_PRICE = 2.0
+# A request also costs a fixed amount whatever its tokens: a pass over the model reads every weight and runs every
+# layer's Python once, and the request is checked, queued, encoded and answered. Measured as the intercept of a
+# request's model time against its tokens (benchmarks/fairness.py --prices: one datum of 4 tokens against 128 or
+# 256), it is on SmolLM2-135M's shape 60 prefill tokens' time for a forward_backward and 25 for a forward: about
+# 30 tokens of the request's own kind, at that kind's price. So each request is charged as if it held
+# REQUEST_TOKENS more tokens: a forward_backward's at the train price, a forward's and a sample's at the prefill
+# price (a sample's prompt is one such pass; its decode steps are shared by the batch and priced per row).
+REQUEST_TOKENS = 30.0
 MAX_WEIGHT = 1000.0  # a key's weight=W: 0 < W <= MAX_WEIGHT
 FORWARD_KINDS = {"forward_backward": "train", "forward": "prefill"}
 _NUMBER = re.compile(r"\d+(\.\d+)?")
@@ -39,19 +48,28 @@ _NUMBER = re.compile(r"\d+(\.\d+)?")
 
 @dataclass(frozen=True)
 class Prices:
-    """Cost units per token of each kind."""
+    """Cost units per token of each kind, and a request's fixed cost in tokens of its kind."""
 
     train: float = TRAIN_PRICE
     prefill: float = PREFILL_PRICE
     decode: float = DECODE_PRICE
+    request_tokens: float = REQUEST_TOKENS  # a request's fixed cost, in tokens of its kind (``of_request``)
 
     def of_forward(self, kind: str, tokens: int) -> float:
-        """A forward op's cost for ``tokens`` datum tokens (0 for any other kind of job)."""
+        """A forward op's cost for ``tokens`` datum tokens (0 for any other kind of job), without the request's
+        fixed price (``of_request``)."""
         which = FORWARD_KINDS.get(kind)
         return 0.0 if which is None else getattr(self, which) * max(0, tokens)
 
     def of_sample(self, prompt_tokens: int, output_tokens: int) -> float:
+        """A sample request's token cost, without the request's fixed price (``of_request``)."""
         return self.prefill * max(0, prompt_tokens) + self.decode * max(0, output_tokens)
+
+    def of_request(self, kind: str) -> float:
+        """The fixed price of one request of ``kind``, whatever its tokens: ``request_tokens`` at the train price
+        for a forward_backward, at the prefill price for a forward or a sample (0 for the jobs that cost nothing)."""
+        which = FORWARD_KINDS.get(kind, "prefill" if kind == "sample" else None)
+        return 0.0 if which is None else getattr(self, which) * max(0.0, self.request_tokens)
 
 
 def parse_weight(value: str, where: str) -> float:
@@ -71,6 +89,7 @@ class FairShare:
         self.weights = weights if weights is not None else {}
         self.counters: dict[str, float] = {}  # the virtual counters: served cost / weight, plus lifts
         self.served: dict[str, float] = {}  # the cost actually served, unweighted and never lifted
+        self.requests: dict[str, int] = {}  # the priced requests begun (each charged ``prices.request``)
         self._last_left = 0.0  # the counter of the last tenant whose backlog emptied
 
     def weight(self, owner: str) -> float:
@@ -103,16 +122,27 @@ class FairShare:
         self.served[owner] = self.served.get(owner, 0.0) + cost
         self.counters[owner] = self.counters.get(owner, 0.0) + cost / self.weight(owner)
 
+    def began(self, owner: str, kind: str) -> float:
+        """A job of ``kind`` begins to run for ``owner``: charge its request's fixed price (``Prices.of_request``);
+        what was charged."""
+        cost = self.prices.of_request(kind)
+        if cost:
+            self.requests[owner] = self.requests.get(owner, 0) + 1
+            self.charge(owner, cost)
+        return cost
+
     def copy(self) -> FairShare:
         """The same books, to simulate the order of the queued jobs (``ModelQueue.position``)."""
         other = type(self)(self.prices, self.weights)
         other.counters, other.served, other._last_left = dict(self.counters), dict(self.served), self._last_left
+        other.requests = dict(self.requests)
         return other
 
     def books(self) -> dict[str, dict[str, float]]:
-        """Per tenant: its counter, the cost served and its weight (the metrics and the operator's view)."""
+        """Per tenant: its counter, the cost served (the requests' fixed prices included: ``requests`` is how many
+        were charged one) and its weight (the metrics and the operator's view)."""
         return {owner: {"counter": self.counters.get(owner, 0.0), "served_cost": self.served.get(owner, 0.0),
-                        "weight": self.weight(owner)}
+                        "requests": self.requests.get(owner, 0), "weight": self.weight(owner)}
                 for owner in sorted(set(self.counters) | set(self.served))}
 
 

@@ -225,10 +225,12 @@ class ModelQueue:
                 rotation.append(owner)
 
     def _expected_cost(self, job: Job) -> float:
-        """What a queued job should cost: a forward op its datum tokens; a sample its reservation, as decode."""
+        """What a queued job should cost: a forward op its datum tokens; a sample its reservation, as decode;
+        either, its request's fixed price."""
+        prices = self.policy.prices
         if job.kind == "sample":
-            return self.policy.prices.of_sample(0, job.tokens or job.batch_cost)
-        return self.policy.prices.of_forward(job.kind, job.tokens)
+            return prices.of_request(job.kind) + prices.of_sample(0, job.tokens or job.batch_cost)
+        return prices.of_request(job.kind) + prices.of_forward(job.kind, job.tokens)
 
     def fairness(self) -> dict[str, dict[str, float]]:
         """The policy's books per owner (counter, served cost, weight): the metrics and the operator's view."""
@@ -377,17 +379,21 @@ class ModelQueue:
         return None
 
     def _start(self, jobs: list[Job]) -> None:
+        """The jobs begin to run: each is charged its request's fixed price now (its tokens as they run)."""
         now = time.monotonic()
         for job in jobs:
             job.status, job.started = "running", now
+            with self._cond:
+                job.charged += self.policy.began(job.owner, job.kind)
         self.observer.started(jobs)
 
     def _encoded(self, job: Job, result: dict) -> dict:
         """The job's result in its submitter's wire form (the observer sees it as computed, once). A sample's
         exact cost is known now: what was charged for it step by step is set right."""
         if job.kind == "sample":
-            cost = self.policy.prices.of_sample(int(result.get("input_tokens", 0) or 0),
-                                                int(result.get("output_tokens", 0) or 0))
+            prices = self.policy.prices
+            cost = prices.of_request(job.kind) + prices.of_sample(int(result.get("input_tokens", 0) or 0),
+                                                                  int(result.get("output_tokens", 0) or 0))
             self._charge(job, cost - job.charged)
         self.observer.computed(job, result)
         return job.encode(result) if job.encode is not None else result

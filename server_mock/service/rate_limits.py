@@ -24,11 +24,14 @@ READY_POLL_SECONDS = 1.0  # a waiting request looks again this often (refunds ma
 
 
 class RateLimited(WorkerError):
-    """429 with the seconds until the request fits (``retry_after``, for the ``Retry-After`` header)."""
+    """429 with the seconds until the request fits (``retry_after``, rounded up for the ``Retry-After`` header;
+    ``wait``, exact), and the tokens it costs (a front end that holds the request instead waits for those)."""
 
-    def __init__(self, message: str, retry_after: int) -> None:
+    def __init__(self, message: str, retry_after: int, wait: float = 0.0, tokens: int = 0) -> None:
         super().__init__(429, "rate_limited", message, "tokens_per_minute")
         self.retry_after = retry_after
+        self.wait = wait
+        self.tokens = tokens
 
 
 class TokenBudgets:
@@ -86,7 +89,7 @@ class TokenBudgets:
                 raise RateLimited(
                     f"tokens_per_minute: this API key may use {budget} tokens a minute; this request needs "
                     f"{tokens} and {int(level)} are left now; retry in {wait:.1f} s (Retry-After)",
-                    max(1, math.ceil(wait)))
+                    max(1, math.ceil(wait)), wait, tokens)
             self._level[tenant] = (level - tokens, now)
 
     def give_back(self, tenant: str, tokens: int) -> None:

@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import pytrio_compat as trio
 from server_mock.api.auth import parse_key_lines, tenant_id
-from server_mock.engine.fairness import DECODE_PRICE, PREFILL_PRICE, TRAIN_PRICE
+from server_mock.engine.fairness import DECODE_PRICE, PREFILL_PRICE, REQUEST_TOKENS, TRAIN_PRICE
 
 from .operator_support import ADMIN, OTHER_KEY, TENANT_KEY, operator_worker
 
@@ -48,13 +48,15 @@ def test_served_cost_moves_by_the_prices_times_what_ran(worker):
         tc.forward_backward([_datum(10, 7), _datum(40, 11)]).result()  # 18 train tokens
         after_train = _books(worker.url, tenant)
         served = "pytrio_worker_served_cost"
-        assert after_train[served] - before.get(served, 0.0) == pytest.approx(18 * TRAIN_PRICE)
+        # the request's fixed price (REQUEST_TOKENS train tokens) and its tokens
+        assert after_train[served] - before.get(served, 0.0) == pytest.approx((REQUEST_TOKENS + 18) * TRAIN_PRICE)
         sampler = tc.save_weights_and_get_sampling_client("f1")
         result = sampler.sample(trio.ModelInput.from_ints([5, 6, 7, 8]), num_samples=2,
                                 sampling_params=trio.SamplingParams(max_tokens=5, seed=3)).result()
         returned = sum(len(seq.tokens) for seq in result.sequences)
         after = _books(worker.url, tenant)
-        assert after[served] - after_train[served] == pytest.approx(4 * PREFILL_PRICE + returned * DECODE_PRICE)
+        assert after[served] - after_train[served] == pytest.approx((REQUEST_TOKENS + 4) * PREFILL_PRICE
+                                                                    + returned * DECODE_PRICE)
         # weight 2: the counter grows by half the cost served (nothing else waited, so nothing lifted it)
         counter = "pytrio_worker_fair_share_counter"
         assert after[counter] - after_train[counter] == pytest.approx((after[served] - after_train[served]) / 2)

@@ -9,12 +9,12 @@ import time
 
 import pytest
 
-from server_mock.engine.fairness import (DECODE_PRICE, MAX_WEIGHT, PREFILL_PRICE, TRAIN_PRICE, FairShare, Prices,
-                                         RoundRobin, parse_weight)
+from server_mock.engine.fairness import (DECODE_PRICE, MAX_WEIGHT, PREFILL_PRICE, REQUEST_TOKENS, TRAIN_PRICE,
+                                         FairShare, Prices, RoundRobin, parse_weight)
 from server_mock.engine.queue import Job, ModelQueue
 
 
-UNIT = Prices(1.0, 1.0, 1.0)
+UNIT = Prices(1.0, 1.0, 1.0, request_tokens=0.0)
 
 
 class _Setup:
@@ -174,11 +174,15 @@ def test_prices_are_the_documented_constants():
     assert prices.of_forward("forward", 10) == 10 * PREFILL_PRICE
     assert prices.of_forward("optim_step", 10) == 0
     assert prices.of_sample(7, 3) == 7 * PREFILL_PRICE + 3 * DECODE_PRICE
+    assert prices.of_request("forward_backward") == REQUEST_TOKENS * TRAIN_PRICE
+    assert prices.of_request("forward") == prices.of_request("sample") == REQUEST_TOKENS * PREFILL_PRICE
+    assert prices.of_request("optim_step") == prices.of_request("save_weights") == 0
     from pathlib import Path
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text()
     for name, value in (("train", TRAIN_PRICE), ("prefill", PREFILL_PRICE), ("decode", DECODE_PRICE)):
         assert f"| {name} token | {value:g} |" in doc, f"docs/operations.md does not state the {name} price"
+    assert f"| a request (fixed) | {REQUEST_TOKENS:g} tokens of its kind |" in doc
 
 
 def test_a_sample_is_charged_its_exact_tokens_when_it_ends(setup):
@@ -189,8 +193,10 @@ def test_a_sample_is_charged_its_exact_tokens_when_it_ends(setup):
     while job.status != "succeeded":
         assert time.monotonic() < deadline
         time.sleep(0.002)
-    assert s.queue.fairness()["A"]["served_cost"] == pytest.approx(7 * PREFILL_PRICE + 3 * DECODE_PRICE)
-    assert job.charged == pytest.approx(7 * PREFILL_PRICE + 3 * DECODE_PRICE)
+    exact = (REQUEST_TOKENS + 7) * PREFILL_PRICE + 3 * DECODE_PRICE  # the request's fixed price, then its tokens
+    assert s.queue.fairness()["A"]["served_cost"] == pytest.approx(exact)
+    assert job.charged == pytest.approx(exact)
+    assert s.queue.fairness()["A"]["requests"] == 1
 
 
 @pytest.mark.parametrize("value, ok", [("1", True), ("0.5", True), (f"{MAX_WEIGHT:g}", True),
@@ -238,3 +244,60 @@ def test_round_robin_slices_run_their_time():
     policy.charge("A", 5.0)
     assert policy.yields("A", ["B"]) is True
     assert policy.yields("B", ["A"]) is False
+
+
+# --- the request's fixed price (Prices.request_tokens) ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("request_tokens, light_per_heavy", [(50.0, 2), (49.0, 3)])
+def test_the_request_price_sets_how_many_small_requests_match_a_large_one(setup, request_tokens, light_per_heavy):
+    """A's requests: 100 tokens, B's: 25. Priced by tokens alone B would get 4 turns per A turn; with a fixed price
+    of 50 tokens a request A's costs 150 and B's 75, so two of B's match one of A's exactly (a tie: A, which waited
+    longer, goes); at 49 (149 against 74 each) two leave B one unit short, so B takes a third turn first."""
+    s = setup(FairShare(Prices(1.0, 1.0, 1.0, request_tokens=request_tokens)))
+    _hold(s)
+    s.put(*[s.job("A", f"A{i}", tokens=100) for i in range(3)])
+    s.put(*[s.job("B", f"B{i}", tokens=25) for i in range(3 * light_per_heavy)])
+    # the queue's forecast plays the same turns, each job charged its fixed price too
+    assert s.queue.position("B0") == 1 and s.queue.position("A1") == 1 + light_per_heavy
+    s.gates["hold"].set()
+    s.wait_for(1 + 3 + 3 * light_per_heavy)
+    assert s.order[1:3 + light_per_heavy] == ["A0"] + [f"B{j}" for j in range(light_per_heavy)] + ["A1"]
+    books = s.queue.fairness()
+    assert books["A"]["requests"] == 3 and books["B"]["requests"] == 3 * light_per_heavy
+    assert books["A"]["served_cost"] == 3 * (100 + request_tokens)
+    assert books["B"]["served_cost"] == 3 * light_per_heavy * (25 + request_tokens)
+
+
+def test_jobs_that_cost_nothing_pay_no_request_price(setup):
+    s = setup(FairShare(Prices(1.0, 1.0, 1.0, request_tokens=50.0)))
+    s.put(s.job("A", "step", kind="optim_step"), s.job("A", "fb", tokens=10))
+    s.wait_for(2)
+    books = s.queue.fairness()["A"]
+    assert books["requests"] == 1 and books["served_cost"] == 60
+
+
+def test_a_light_key_waits_for_the_running_job_only(setup):
+    """However much a heavy key has queued, a light key that sends one request (lifted to the heavy key's counter,
+    which already holds the running job's fixed price) is next: it waits for the job that runs, not the backlog."""
+    s = setup(FairShare(Prices(1.0, 1.0, 1.0, request_tokens=50.0)))
+    s.put(s.job("A", "A-running", tokens=800, gate=True))
+    s.wait_running()
+    s.put(*[s.job("A", f"A{i}", tokens=800) for i in range(5)])
+    s.put(s.job("B", "B0", tokens=10))
+    assert s.queue.position("B0") == 0
+    s.gates["A-running"].set()
+    s.wait_for(7)
+    assert s.order[:2] == ["A-running", "B0"]
+
+
+def test_weights_divide_the_request_price_too(setup):
+    s = setup(FairShare(Prices(1.0, 1.0, 1.0, request_tokens=50.0), weights={"A": 2.0}))
+    _hold(s)
+    s.put(*[s.job("A", f"A{i}", tokens=100) for i in range(6)])
+    s.put(*[s.job("B", f"B{i}", tokens=100) for i in range(3)])
+    s.gates["hold"].set()
+    s.wait_for(10)
+    assert s.order[1:] == ["A0", "B0", "A1", "B1", "A2", "A3", "B2", "A4", "A5"]
+    books = s.queue.fairness()
+    assert books["A"]["served_cost"] == 6 * 150 and books["A"]["counter"] == pytest.approx(6 * 150 / 2)

@@ -36,6 +36,7 @@ from server_mock.errors import WorkerError
 logger = logging.getLogger("server_mock")
 
 LONG_POLL_SECONDS = 30.0  # retrieve_future holds a pending future this long (the client gives up at 45 s)
+PAUSED_POLL_SECONDS = 1.0  # ... and one held back by its key's token budget this long, so its state stays current
 
 
 class TinkerFailure(Exception):
@@ -89,6 +90,9 @@ class Future:
     finished: float | None = None  # loop time
     size: int = 0
     wanted: asyncio.Event | None = None  # a lazy future's work starts when it is first polled
+    # why the request is held back by its key's token budget (None: it is not): Tinker's ``paused_rate_limit``
+    paused: str | None = None
+    pause_began: asyncio.Event | None = None  # set when a pause begins: a poll held meanwhile answers at once
 
 
 BOOT = secrets.token_hex(4)  # this process's mark in its future ids: an id with another one is from before a restart
@@ -168,6 +172,18 @@ class Futures:
             return None
         return future
 
+    def set_paused(self, request_id: str, reason: str | None) -> None:
+        """The request is held back by its key's token budget, for ``reason`` (None: no longer): what
+        ``retrieve_future`` answers meanwhile is ``try_again`` with ``queue_state: paused_rate_limit``."""
+        future = self._items.get(request_id)
+        if future is None:
+            return
+        future.paused = reason
+        if reason is None:
+            future.pause_began = None
+        elif future.pause_began is not None:
+            future.pause_began.set()
+
     def held_bytes(self, tenant: str) -> int:
         return self._results.held_bytes(tenant)
 
@@ -241,8 +257,11 @@ async def retrieve_future(state, request: Request, tenant: str):
     if future.wanted is not None:
         future.wanted.set()
     # one of the tenant's few held polls (api/long_polls.py): ended early, it answers try_again like a timeout
-    await held_poll(request, tenant, asyncio.wait({future.task}, timeout=LONG_POLL_SECONDS))
+    await held_poll(request, tenant, _until_done_or_paused(future))
     if not future.task.done():
+        if future.paused is not None:  # held back by the key's token budget: the SDK shows paused_rate_limit
+            return {"type": "try_again", "request_id": request_id, "queue_state": "paused_rate_limit",
+                    "queue_state_reason": future.paused}
         return {"type": "try_again", "request_id": request_id, "queue_state": "active"}
     if future.task.cancelled():
         return {"error": "the request was dropped (too many pending requests)", "category": "server"}
@@ -254,3 +273,18 @@ async def retrieve_future(state, request: Request, tenant: str):
     if isinstance(result, bytes):
         return Response(result, media_type=PROTOBUF)
     return result
+
+
+async def _until_done_or_paused(future: Future) -> None:
+    """Wait for the future: at most ``LONG_POLL_SECONDS``, or ``PAUSED_POLL_SECONDS`` while (or once) its request is
+    held back by its key's token budget, so that the client learns of the pause, and of its end, within a second."""
+    if future.paused is not None:
+        await asyncio.wait({future.task}, timeout=PAUSED_POLL_SECONDS)
+        return
+    if future.pause_began is None:
+        future.pause_began = asyncio.Event()
+    began = asyncio.ensure_future(future.pause_began.wait())
+    try:
+        await asyncio.wait({future.task, began}, timeout=LONG_POLL_SECONDS, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        began.cancel()

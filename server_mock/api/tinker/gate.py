@@ -7,6 +7,10 @@ handed to the service when its predecessors have been. A re-sent ``seq_id`` gets
 Every admitted ``seq_id`` yields a future, a failed one if the request was invalid, so a rejected
 request never stalls the requests behind it.
 
+A request whose turn has come but that is over its API key's token budget (``RateLimited``) is accepted and
+held, its future paused (``paused``: Tinker's ``paused_rate_limit``), and handed over when the budget has room;
+the model's later requests wait behind it, as they would behind a gap.
+
 Bounds: a request may be at most ``max_ahead`` seq_ids ahead of the next expected one (400 otherwise),
 at most ``max_waiting`` requests of a model wait at once, and the bytes held by waiting requests are
 counted per session and on the whole worker by ``holding.HeldBytes`` (429 past either limit). A gap that is
@@ -25,6 +29,7 @@ from typing import Any
 
 from server_mock.api.tinker.holding import HeldBytes, Slim
 from server_mock.errors import WorkerError, raising
+from server_mock.service.rate_limits import READY_POLL_SECONDS, RateLimited
 
 logger = logging.getLogger("server_mock")
 
@@ -37,6 +42,7 @@ class _Waiting:
     slot: asyncio.Future
     size: int
     prepare: Callable[[], Callable[[], Awaitable[Any]]] | None = None
+    retry_in: float | None = None  # held back by its key's token budget: seconds until it is tried again
 
 
 async def _when_submitted(slot: asyncio.Future) -> Any:
@@ -54,7 +60,8 @@ class SeqGate:
     """
 
     def __init__(self, first: int = 1, gap_wait: float = 60.0, max_waiting: int = 256, max_ahead: int = 1024,
-                 keep: int = 4096, retry_after: float = 0.5, held: HeldBytes | None = None, owner: str = "") -> None:
+                 keep: int = 4096, retry_after: float = 0.5, held: HeldBytes | None = None, owner: str = "",
+                 paused: Callable[[str, str | None], None] | None = None) -> None:
         self.next = first
         self.gap_wait = gap_wait
         self.max_waiting = max_waiting
@@ -63,6 +70,9 @@ class SeqGate:
         self.retry_after = retry_after
         self.held = held
         self.owner = owner
+        # told (request id, why) when a request is held back by its key's token budget, (request id, None) when it
+        # goes on; None: such a request is turned away with its 429 instead, as a full queue's is
+        self.paused = paused
         self._admitted: OrderedDict[int, tuple[str, str]] = OrderedDict()  # seq -> (request id, digest)
         self._skipped: deque[tuple[int, int]] = deque(maxlen=64)  # [lo, hi) ranges given up on
         self._waiting: dict[int, _Waiting] = {}
@@ -102,7 +112,12 @@ class SeqGate:
         if not self._waiting:
             self._progress_at = loop.time()
         if seq == self.next:
-            work = submit()  # a 429 propagates: nothing is recorded, the client re-sends
+            try:
+                work = submit()  # a full queue's 429 propagates: nothing is recorded, the client re-sends
+            except RateLimited as exc:
+                if self.paused is None:
+                    raise
+                return self._hold(seq, digest, submit, add_future, size, exc)
             request_id = add_future(work)
             self._record(seq, request_id, digest)
             self._drain()
@@ -120,6 +135,28 @@ class SeqGate:
         self._waiting[seq] = waiting
         self._schedule()
         return waiting.request_id
+
+    def _hold(self, seq: int, digest: str, submit: Callable[[], Awaitable[Any]],
+              add_future: Callable[[Awaitable[Any]], str], size: int, refusal: RateLimited) -> str:
+        """The next seq_id, over its key's token budget: accepted and held (its future paused) until the budget
+        has room, its successors waiting behind it; when the held bytes have no room for it either, the client is
+        turned away with the 429 (its HTTP layer re-sends, honouring Retry-After)."""
+        if self.held is not None:
+            try:
+                self.held.reserve(self.owner, size)
+            except WorkerError:
+                raise refusal from None
+        waiting = _Waiting("", digest, submit, asyncio.get_running_loop().create_future(), size)
+        waiting.request_id = add_future(_when_submitted(waiting.slot))
+        self._waiting[seq] = waiting
+        self._pause(waiting, refusal)
+        return waiting.request_id
+
+    def _pause(self, waiting: _Waiting, refusal: RateLimited) -> None:
+        """``waiting`` is held back by its budget: its future says so, and it is tried again when it should fit."""
+        self.paused(waiting.request_id, refusal.message)
+        waiting.retry_in = min(max(refusal.wait, 0.05), READY_POLL_SECONDS)  # refunds may make room sooner
+        self._schedule()
 
     def restore(self, seq: int, request_id: str, digest: str) -> None:
         """A seq_id admitted before a restart (journaled with its op): a re-send gets ``request_id`` back, and the
@@ -167,6 +204,11 @@ class SeqGate:
                 return
             try:
                 work = waiting.submit()
+            except RateLimited as exc:
+                if self.paused is None:
+                    break  # retried by the timer, as a full queue is
+                self._pause(waiting, exc)
+                return
             except WorkerError as exc:
                 if exc.status == 429:
                     break  # queue full: retried by the timer
@@ -175,6 +217,8 @@ class SeqGate:
                 waiting.slot.set_exception(exc)
             else:
                 waiting.slot.set_result(work)
+            if waiting.retry_in is not None and self.paused is not None:
+                self.paused(waiting.request_id, None)
             del self._waiting[self.next]
             self._release(waiting)
             self._record(self.next, waiting.request_id, waiting.digest)
@@ -198,8 +242,9 @@ class SeqGate:
         loop = asyncio.get_running_loop()
         if self._preparing is not None:
             return  # the request at the head is being prepared; draining goes on when it is
-        if self.next in self._waiting:  # held back by a full queue
-            self._timer = loop.call_later(self.retry_after, self._drain)
+        if self.next in self._waiting:  # held back by a full queue, or by its key's token budget
+            retry_in = self._waiting[self.next].retry_in
+            self._timer = loop.call_later(self.retry_after if retry_in is None else retry_in, self._drain)
         else:  # a gap: wait for the missing requests, but not forever
             self._timer = loop.call_at(self._progress_at + self.gap_wait, self._skip_gap)
 

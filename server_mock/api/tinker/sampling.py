@@ -24,6 +24,7 @@ from server_mock.api.tinker.paths import to_tinker_path, to_trio_path
 from server_mock.api.tinker.state import TinkerState
 from server_mock.engine.queue import job_result
 from server_mock.errors import WorkerError, bad_request
+from server_mock.service.rate_limits import RateLimited
 
 DEFAULT_MAX_TOKENS = 256  # sampling_params.max_tokens when the client leaves it unset
 
@@ -158,15 +159,11 @@ async def asample(state: TinkerState, request: Request, tenant: str):
         wire, last_n, topk = sample_request(state, body, host.max_seq_len)
         answer = {"protocol": "tinker", "include_prompt": wire.include_prompt_logprobs, "last_n": last_n,
                   "topk": topk, "dedupe": [key, sequence_ids, body_digest] if dedupe else None}
-        job = await service.samplers.submit_async(sampler.sampler_id, wire, tenant, request_id=request_id,
-                                                  front=answer)
-    except WorkerError as exc:
-        if exc.status == 429:  # backpressure: the client waits a moment and re-sends
-            raise
-        state.futures.add_guarded(tenant, raise_(exc), request_id)
-    except Exception as exc:  # noqa: BLE001 - a bad request is a failed future
-        state.futures.add_guarded(tenant, raise_(exc), request_id)
-    else:
+
+        def submit():
+            return service.samplers.submit_async(sampler.sampler_id, wire, tenant, request_id=request_id,
+                                                 front=answer)
+
         def recorded_and_encoded(result: dict) -> bytes:
             if record:
                 provenance.record_samples(service.stability, tenant, scope, sampler.sampler_id, wire.prompt_tokens,
@@ -176,7 +173,45 @@ async def asample(state: TinkerState, request: Request, tenant: str):
         async def convert(result: dict) -> bytes:
             return await asyncio.to_thread(recorded_and_encoded, result)
 
-        state.futures.add_guarded(tenant, job_result(job, convert), request_id)
+        try:
+            job = await submit()
+        except RateLimited as exc:  # over the key's token budget: accepted, held (paused) until it has room
+            if state.rate_held[tenant] >= service.limits.max_queued_requests:
+                raise  # as many held as may be queued: turned away, the client re-sends after Retry-After
+            state.futures.add_guarded(tenant, _when_budget_allows(state, tenant, request_id, submit, exc, convert),
+                                      request_id)
+            state.futures.set_paused(request_id, exc.message)
+            state.rate_held[tenant] += 1
+        else:
+            state.futures.add_guarded(tenant, job_result(job, convert), request_id)
+    except WorkerError as exc:
+        if exc.status == 429:  # backpressure: the client waits a moment and re-sends
+            raise
+        state.futures.add_guarded(tenant, raise_(exc), request_id)
+    except Exception as exc:  # noqa: BLE001 - a bad request is a failed future
+        state.futures.add_guarded(tenant, raise_(exc), request_id)
     if dedupe:
         state.samples.put(key, tenant, (request_id, sequence_ids, body_digest))  # this tenant's oldest go first
     return {"request_id": request_id, "sample_sequence_ids": sequence_ids}
+
+
+async def _when_budget_allows(state: TinkerState, tenant: str, request_id: str, submit, refusal: RateLimited,
+                              convert) -> bytes:
+    """A sample request accepted over its key's token budget: it waits (its future paused) until the budget holds
+    its cost, then is submitted and served like any other; never dropped."""
+    try:
+        while True:
+            await state.service.budgets.ready(tenant, refusal.tokens)
+            try:
+                job = await submit()
+            except RateLimited as again:  # another request of the key took the room first
+                refusal = again
+                state.futures.set_paused(request_id, again.message)
+                continue
+            break
+    finally:
+        state.rate_held[tenant] -= 1
+        if state.rate_held[tenant] <= 0:
+            del state.rate_held[tenant]
+    state.futures.set_paused(request_id, None)
+    return await job_result(job, convert)

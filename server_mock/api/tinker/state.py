@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -94,6 +94,7 @@ class TinkerState:
         # samplers for asample calls that name no sampling session, the most recent per key
         self.implicit = ReusedSamplers(service.samplers, options.tinker_implicit_samplers)
         self.sampler_sessions: dict[str, str] = {}  # sampler id -> the session it was made in (provenance scope)
+        self.rate_held: Counter[str] = Counter()  # samples held for their key's budget
 
     def element_budget(self) -> ElementBudget:
         tokens = self.service.limits.max_tokens_per_request
@@ -138,7 +139,8 @@ class TinkerState:
         if self.sessions.get(session.session_id) is not session:  # it finished while the model was made
             await self._delete_run(run_id, session.tenant)
             raise WorkerError(404, "session_not_found", f"session_id: session {session.session_id!r} has finished")
-        gate = SeqGate(max_ahead=self.options.tinker_max_seq_ahead, held=self.held, owner=session.session_id)
+        gate = SeqGate(max_ahead=self.options.tinker_max_seq_ahead, held=self.held, owner=session.session_id,
+                       paused=self.futures.set_paused)
         model = TinkerModel(model_id, run_id, session.tenant, session.session_id, base_model, gate, user_metadata)
         if created_by is not None:
             self.journal.model_registered(model, *created_by)
