@@ -33,7 +33,8 @@ def native(worker):
 
 def test_models_lists_the_served_base_model(client):
     ids = [m.id for m in client.models.list().data]
-    assert ids == ["tiny"]
+    # the base model first; the rest are samplers other tests of this shared worker saved (trio:// paths)
+    assert ids[0] == "tiny" and all(i.startswith("trio://") for i in ids[1:])
     assert client.models.retrieve("tiny").id == "tiny"
 
 
