@@ -1,22 +1,26 @@
 """Cost-fair turns between tenants: two backlogged keys, one sending requests 8x the size of the other's, on one
-model in one worker (this process), first with the queue as it was (tenants strictly in turn by job, a
-forward_backward in one go), then with the fair share (engine/fairness.py) and forward_backward in slices.
+model in one worker (this process): "before", the queue as it was (tenants strictly in turn by job, a
+forward_backward in one go); "fair, token prices", the fair share (engine/fairness.py) priced by tokens alone, with
+forward_backward in slices; "after", the same with each request's fixed price too (``--request-tokens``, by default
+engine/fairness.py's REQUEST_TOKENS; ``--also-request-tokens N`` adds a phase at another).
 
 Each key keeps ``--in-flight`` requests queued at all times (a closed loop). Over the measured window (after a
 warm-up) the benchmark reads the queue's books: the cost served to each key at the documented prices, their ratio
-(1.0 is fair), the throughput ("after" over "before"), and how long requests waited in the queue: the two keys'
-(each waits behind its own backlog too) and a third key's, the probe, which sends a small sample now and then
-and is idle in between (target: within one decode slice, ``--slice`` seconds). Throughput is the cost served
-a second, both keys together; it also moves with the mix (a short request carries more fixed cost than its
-priced tokens say, so serving the light key its fair share costs some throughput by itself). The two phases
-alternate, ``--rounds`` times, so that the load of a shared machine hits both alike.
+(1.0 is fair; with the fixed prices at ``--request-tokens``, and of the token costs alone), the throughput (cost
+served a second, each phase over "before", overall and round by round), and how long requests waited in the queue:
+the two keys' (each waits behind its own backlog too) and a third key's, the probe, which sends a small sample
+now and then and is idle in between (target: within one decode slice, ``--slice`` seconds). Throughput is the cost
+served a second, both keys together, fixed prices included: when those are right, cost is model time and the
+figure does not move with the mix of small and large requests. The phases alternate, ``--rounds`` times, so that
+the load of a shared machine hits them alike.
 
     python benchmarks/fairness.py [--scenario train|sample|both|none] [--seconds 20] [--prices]
                                   [--model smollm2-shape|PATH]
 
 ``--prices`` first measures the per-token model time of a trained token (forward_backward), a prefill token
-(a forward op's datums) and a decoded token (sample rows), relative to a prefill token: the numbers behind the
-prices in engine/fairness.py (docs/operations.md).
+(a forward op's datums) and a decoded token (sample rows), relative to a prefill token, and a request's fixed time
+(the intercept of its time against its tokens): the numbers behind the prices in engine/fairness.py
+(docs/operations.md).
 """
 
 from __future__ import annotations
