@@ -334,3 +334,21 @@ def moved_state(service) -> tuple[str, object]:
         tc.forward_backward([datum]).result()
         tc.optim_step(trio.AdamParams(learning_rate=5e-3)).result()
     return tc.save_state("moved").result().path, tok
+
+
+class FakeClock:
+    """A monotonic clock the test moves by hand (``advance``, or ``now = ...``); safe to read from the worker's
+    threads."""
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self.now = start
+        self._lock = threading.Lock()
+
+    def __call__(self) -> float:
+        with self._lock:
+            return self.now
+
+    def advance(self, seconds: float) -> None:
+        with self._lock:
+            self.now += seconds
+

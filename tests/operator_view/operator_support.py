@@ -4,7 +4,6 @@ HTTP to it), with API keys, admin keys and limits of the test's choosing; the se
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from support import serve_app
+from support import FakeClock, serve_app  # noqa: F401  (FakeClock: the operator tests take it from here)
 
 from server_mock.app import create_app
 from server_mock.config import Limits
@@ -28,22 +27,6 @@ ADMIN = {"x-admin-key": ADMIN_KEY}
 class Running:
     url: str
     service: WorkerService
-
-
-class FakeClock:
-    """A monotonic clock the test moves by hand."""
-
-    def __init__(self, start: float = 1000.0) -> None:
-        self.now = start
-        self._lock = threading.Lock()
-
-    def __call__(self) -> float:
-        with self._lock:
-            return self.now
-
-    def advance(self, seconds: float) -> None:
-        with self._lock:
-            self.now += seconds
 
 
 @contextmanager

@@ -5,7 +5,6 @@ The budget's clock is the test's, so nothing here waits for a real minute."""
 
 from __future__ import annotations
 
-import threading
 import time
 import warnings
 
@@ -15,32 +14,18 @@ from tinker import types
 from tinker.lib.api_future_impl import QueueState
 from tinker.lib.public_interfaces.sampling_client import SamplingClient
 from tinker.lib.queue_state_logger import QueueStateLogger
+from support import FakeClock
 
 BUDGET = 120  # tokens a minute for every key of this worker
 WORKER_KEY = "budgeted-key"
 CLIENT_KEY = "tml-" + WORKER_KEY
 
 
-class _Clock:
-    """The token budgets' monotonic clock, moved by the test."""
-
-    def __init__(self) -> None:
-        self.now, self._lock = 1000.0, threading.Lock()
-
-    def __call__(self) -> float:
-        with self._lock:
-            return self.now
-
-    def advance(self, seconds: float) -> None:
-        with self._lock:
-            self.now += seconds
-
-
 @pytest.fixture()
 def budgeted(worker_factory, tiny_model_dir):
     worker = worker_factory("--tokens-per-minute", str(BUDGET), api_keys=[WORKER_KEY], model_name=str(tiny_model_dir))
-    if not isinstance(worker.service.budgets.clock, _Clock):  # one clock for the worker's life: levels stay exact
-        worker.service.budgets.clock = _Clock()
+    if not isinstance(worker.service.budgets.clock, FakeClock):  # one clock for the worker's life: levels stay exact
+        worker.service.budgets.clock = FakeClock()
     worker.clock = worker.service.budgets.clock
     worker.clock.advance(60)  # a full bucket, whatever an earlier test left
     yield worker

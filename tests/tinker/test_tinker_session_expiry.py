@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 from starlette.testclient import TestClient
+from support import FakeClock
 
 from pytrio_compat.wire import CreateTrainingRun, LoraSpec
 from server_mock.api.auth import Auth
@@ -20,14 +21,6 @@ from server_mock.errors import WorkerError
 from server_mock.service.worker import WorkerService
 
 TTL = 60.0
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def one_adapter_service(model_dir, storage) -> WorkerService:
@@ -42,7 +35,7 @@ def spec() -> CreateTrainingRun:
 @pytest.mark.timeout(120)
 def test_an_idle_session_expires_at_its_ttl_and_frees_its_adapter_slot(tiny_model_dir, tmp_path):
     service = one_adapter_service(tiny_model_dir, tmp_path / "storage")
-    clock = FakeClock()
+    clock = FakeClock(1_000_000.0)
     tinker = TinkerProtocol(service, Auth([]), options=TinkerOptions(tinker_session_ttl=TTL), clock=clock)
     state = tinker.state
 
@@ -74,7 +67,7 @@ def test_a_seen_session_is_kept_and_the_app_sweeps_by_itself(tiny_model_dir, tmp
     service = one_adapter_service(tiny_model_dir, tmp_path / "storage")
     app = create_app(service, tinker_options=TinkerOptions(tinker_session_ttl=TTL))
     monkeypatch.setattr(app.state.fronts["tinker"], "sweep_seconds", 0.01)
-    clock = FakeClock()
+    clock = FakeClock(1_000_000.0)
     state = app.state.tinker.state
     state.clock = clock
     with TestClient(app, base_url="http://127.0.0.1") as http:  # the app's lifespan runs the sweeps
