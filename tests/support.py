@@ -22,64 +22,158 @@ import pytrio_compat as trio
 
 REPO = Path(__file__).resolve().parents[1]
 
-# What a child interpreter imports before it knows its arguments: the libraries the worker needs, never the worker
-# itself (server_mock reads PYTRIO_WORKER_CRASH_AT and the fault switch when it is imported). Then one line on stdin,
-# {"argv", "env", "log"}: the whole environment to run with, and the file for its output.
-_WARM_CHILD = """
+# The fork server: an interpreter that imports the libraries the worker needs once, never the worker itself
+# (server_mock reads PYTRIO_WORKER_CRASH_AT and the fault switch when it is imported), then forks one child per line
+# on stdin, {"id", "argv", "env", "log"}: the child takes the whole environment and the log file as its output and
+# runs the CLI. The server answers "pid ID PID" for each child and "exit PID CODE" when one ends (it reaps them).
+# One thread only: nothing but this loop runs when it forks.
+_FORK_SERVER = """
 import torch, transformers, peft, uvicorn, starlette.applications, safetensors.torch, numpy, pydantic, msgpack
 from transformers import AutoModelForCausalLM, AutoTokenizer
-import json, os, sys
-line = sys.stdin.readline()
-if not line.strip():
-    sys.exit(0)
-message = json.loads(line)
-log = os.open(message["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-os.dup2(log, 1)
-os.dup2(log, 2)
-os.environ.clear()
-os.environ.update(message["env"])
-from server_mock.cli import main
-main(message["argv"])
+import json, os, select, sys
+children, pending = set(), b""
+def say(line):
+    os.write(1, (line + "\\n").encode())
+while True:
+    ready = select.select([0], [], [], 0.02)[0]
+    while children:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            break
+        if pid == 0:
+            break
+        children.discard(pid)
+        say(f"exit {pid} {os.waitstatus_to_exitcode(status)}")
+    if not ready:
+        continue
+    chunk = os.read(0, 1 << 16)
+    if not chunk:
+        break
+    pending += chunk
+    while b"\\n" in pending:
+        line, pending = pending.split(b"\\n", 1)
+        message = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            null = os.open(os.devnull, os.O_RDONLY)
+            log = os.open(message["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+            os.dup2(null, 0)
+            os.dup2(log, 1)
+            os.dup2(log, 2)
+            os.close(null)
+            os.close(log)
+            os.environ.clear()
+            os.environ.update(message["env"])
+            from server_mock.cli import main
+            sys.exit(main(message["argv"]))
+        children.add(pid)
+        say(f"pid {message['id']} {pid}")
 """
 
 
+class _ForkedChild:
+    """A worker forked by the fork server, with the part of ``subprocess.Popen`` the tests use: ``pid``, ``poll``,
+    ``wait``, ``send_signal``, ``kill``, ``returncode`` (reported by the server, which reaps it)."""
+
+    def __init__(self, server: "_WarmChildren", pid: int, argv: list[str]) -> None:
+        self.pid, self.args = pid, argv
+        self._server = server
+        self._ended = server.ended(pid)
+
+    @property
+    def returncode(self) -> int | None:
+        return self._server.exit_codes.get(self.pid)
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self._ended.wait(timeout):
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
 class _WarmChildren:
-    """One spare interpreter with the libraries already imported, so that a ``warm`` worker process listens in about
-    a second instead of the 4 s a cold ``python -m server_mock`` spends importing torch and transformers on a
-    2-core machine; the next spare starts importing as soon as one is taken. Environment variables that a library
-    reads when it is imported (OMP_NUM_THREADS) come from when the spare was started. The spare is made after a
-    warm worker answers (``prepare``), so that it never competes with the start it is meant to shorten."""
+    """Worker processes forked from one interpreter that imported the libraries once (``_FORK_SERVER``), so that
+    a ``warm`` worker neither waits for nor spends the ~4 s of CPU a cold ``python -m server_mock`` takes to import
+    torch and transformers on a 2-core machine. Each is still its own process (its own pid, SIGKILL, a fresh
+    import of the worker). Environment variables that a library reads when it is imported (OMP_NUM_THREADS) come
+    from when the server was started. The server starts with the first warm worker of the test process."""
 
     def __init__(self) -> None:
-        self._spare: subprocess.Popen | None = None
+        self._server: subprocess.Popen | None = None
         self._lock = threading.Lock()
+        self._replies: dict[int, int] = {}
+        self._reply = threading.Condition(self._lock)
+        self._ends: dict[int, threading.Event] = {}
+        self.exit_codes: dict[int, int] = {}
+        self._next_id = 0
 
-    def _spawn(self) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-c", _WARM_CHILD], cwd=REPO, stdin=subprocess.PIPE,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    def _start(self) -> subprocess.Popen:
+        server = subprocess.Popen([sys.executable, "-c", _FORK_SERVER], cwd=REPO, stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        threading.Thread(target=self._read, args=(server,), daemon=True, name="fork-server").start()
+        return server
 
-    def run(self, argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    def _read(self, server: subprocess.Popen) -> None:
+        for line in server.stdout:
+            kind, first, second = line.decode().split()
+            with self._lock:
+                if kind == "pid":
+                    self._replies[int(first)] = int(second)
+                    self._reply.notify_all()
+                else:
+                    self.exit_codes[int(first)] = int(second)
+                    self._ends.setdefault(int(first), threading.Event()).set()
+        with self._lock:  # the server is gone: wake a start that waits for it
+            self._reply.notify_all()
+
+    def ended(self, pid: int) -> threading.Event:
         with self._lock:
-            child = self._spare if self._spare is not None and self._spare.poll() is None else self._spawn()
-            self._spare = None
-        child.stdin.write((json.dumps({"argv": argv, "env": env, "log": str(log)}) + "\n").encode())
-        child.stdin.close()
-        return child
+            return self._ends.setdefault(pid, threading.Event())
+
+    def run(self, argv: list[str], env: dict[str, str], log: Path) -> _ForkedChild:
+        with self._lock:
+            if self._server is None or self._server.poll() is not None:
+                self._server = self._start()
+            self._next_id += 1
+            ask = self._next_id
+            self._server.stdin.write((json.dumps({"id": ask, "argv": argv, "env": env, "log": str(log)}) + "\n")
+                                     .encode())
+            self._server.stdin.flush()
+            while ask not in self._replies:
+                if self._server.poll() is not None:
+                    raise RuntimeError("the fork server of warm workers exited")
+                self._reply.wait(1.0)
+            pid = self._replies.pop(ask)
+        return _ForkedChild(self, pid, argv)
 
     def prepare(self) -> None:
+        """Start the fork server now (it imports the libraries while the caller goes on)."""
         with self._lock:
-            if self._spare is None or self._spare.poll() is not None:
-                self._spare = self._spawn()
+            if self._server is None or self._server.poll() is not None:
+                self._server = self._start()
 
     def close(self) -> None:
         with self._lock:
-            if self._spare is not None:
-                self._spare.stdin.close()  # an empty line: the spare exits
-                try:
-                    self._spare.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    self._spare.kill()
-                self._spare = None
+            server, self._server = self._server, None
+        if server is not None:
+            server.stdin.close()  # end of input: the server exits (its children are stopped by their tests)
+            try:
+                server.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                server.kill()
 
 
 WARM_CHILDREN = _WarmChildren()
@@ -87,13 +181,14 @@ atexit.register(WARM_CHILDREN.close)
 
 
 class WorkerProcess:
-    """A worker in a child process: ``python -m server_mock serve`` with these arguments. With ``warm=True`` the
-    child is an interpreter that imported the libraries ahead of time (``_WarmChildren``): the same worker and the
-    same process semantics (its own pid, SIGKILL, a fresh import of the worker), started sooner, but its command
-    line shows none of the arguments, so a test that reads /proc/PID/cmdline starts it cold."""
+    """A worker in a child process: ``pytrio-worker serve`` with these arguments. By default (``warm=True``) the
+    child is forked from an interpreter that imported the libraries once (``_WarmChildren``): the same worker and
+    the same process semantics (its own pid, SIGKILL, a fresh import of the worker), without importing torch and
+    transformers again, but its command line shows none of the arguments, so a test that reads
+    /proc/PID/cmdline starts it cold (``warm=False``: ``python -m server_mock serve ...``)."""
 
     def __init__(self, model_dir: Path, storage: Path, *extra: str, api_keys: list[str] | None = None,
-                 model_name: str = "tiny", env: dict[str, str] | None = None, warm: bool = False) -> None:
+                 model_name: str = "tiny", env: dict[str, str] | None = None, warm: bool = True) -> None:
         self.model_dir, self.storage, self.extra = model_dir, storage, extra
         self.api_keys = api_keys or []
         self.model_name = model_name

@@ -129,10 +129,7 @@ class ByteBudget:
         """Charge ``size`` bytes for ``key`` to the worker's total only (no tenant's share)."""
         with self._lock:
             if self.held + size > self.total:
-                raise WorkerError(429, "memory_budget_exceeded",
-                                  f"{self.what}: {needs} needs {size} bytes; the training runs and resident "
-                                  f"adapters hold {self.held} of the worker's limit {self.total_name}={self.total} "
-                                  f"(--{self.total_name.replace('_', '-')}); retry later", self.what)
+                raise self._over_total(size, needs)
             self._add(key, None, size)
 
     def _check(self, tenant: str, size: int, needs: str, refuse: bool = False) -> int:
@@ -146,11 +143,16 @@ class ByteBudget:
                               self.what)
         missing = self.held + size - self.total
         if missing > 0 and refuse:
-            raise WorkerError(429, "memory_budget_exceeded",
-                              f"{self.what}: {needs} needs {size} bytes; the {self.what}s of all API keys hold "
-                              f"{self.held} of the worker's limit {self.total_name}={self.total} "
-                              f"(--{self.total_name.replace('_', '-')}); retry later", self.what)
+            raise self._over_total(size, needs)
         return max(0, missing)
+
+    def _over_total(self, size: int, needs: str) -> WorkerError:
+        """The refusal of ``size`` bytes that the worker's total cannot hold (tenants' things and shared ones)."""
+        shared = f", {self.shared} of them resident sampler adapters" if self.shared else ""
+        return WorkerError(429, "memory_budget_exceeded",
+                           f"{self.what}: {needs} needs {size} bytes; all API keys together hold {self.held}"
+                           f"{shared}, of the worker's limit {self.total_name}={self.total} "
+                           f"(--{self.total_name.replace('_', '-')}); retry later", self.what)
 
     def _add(self, key: str, tenant: str | None, size: int) -> None:
         self._items[key] = (tenant, size)

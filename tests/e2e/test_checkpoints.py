@@ -40,7 +40,7 @@ def state_tensors(storage, path: str) -> dict[str, bytes]:
 def test_resume_after_sigkill_is_bit_identical(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("PYTRIO_COMPAT_CACHE", str(tmp_path / "cache"))
     storage = tmp_path / "storage"
-    worker = WorkerProcess(tiny_model_dir, storage, warm=True).start()
+    worker = WorkerProcess(tiny_model_dir, storage).start()
     try:
         client = trio.ServiceClient(base_url=worker.base_url)
         straight = client.create_lora_training_client("tiny", rank=8, seed=13)
@@ -53,7 +53,7 @@ def test_resume_after_sigkill_is_bit_identical(tiny_model_dir, tmp_path, monkeyp
         client.close()
         worker.kill()  # SIGKILL: no shutdown hooks, nothing flushed on the way out
 
-        worker = WorkerProcess(tiny_model_dir, storage, warm=True).start()
+        worker = WorkerProcess(tiny_model_dir, storage).start()
         client = trio.ServiceClient(base_url=worker.base_url)
         resumed = client.create_training_client_from_state_with_optimizer(half_path)
         train(resumed, range(3, 6))

@@ -21,7 +21,7 @@ def two_workers(tiny_model_dir, tmp_path_factory):
     for name, share in (("shared", "16"), ("plain", "0")):
         root = tmp_path_factory.mktemp(name)
         procs.append(WorkerProcess(tiny_model_dir, root / "storage", "--prefix-share-min-tokens", share,
-                                   "--log-level", "INFO", warm=True).start())
+                                   "--log-level", "INFO").start())
     yield procs
     for proc in procs:
         proc.stop()

@@ -31,7 +31,7 @@ def lab_worker(tiny_model_dir, tmp_path_factory):
     for path in (keys, admins):
         path.chmod(0o600)
     proc = WorkerProcess(tiny_model_dir, root / "storage", "--api-key-file", str(keys), "--admin-key-file",
-                         str(admins), "--log-level", "INFO").start()
+                         str(admins), "--log-level", "INFO", warm=False).start()  # cold: it reads the command line
     yield proc
     proc.stop()
 

@@ -33,7 +33,7 @@ class Supervised:
 
     def _start(self, port: int, env: dict[str, str]) -> WorkerProcess:
         with environment(env):
-            return WorkerProcess(self.model_dir, self.storage, *self.extra, **self.options, warm=True).start(port)
+            return WorkerProcess(self.model_dir, self.storage, *self.extra, **self.options).start(port)
 
     @property
     def base_url(self) -> str:

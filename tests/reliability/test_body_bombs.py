@@ -33,7 +33,7 @@ def items(item: str, count: int) -> str:
 
 @pytest.fixture(scope="module")
 def bomb_worker(tiny_model_dir, tmp_path_factory):
-    with running_worker(tiny_model_dir, tmp_path_factory.mktemp("bombs"), api_keys=[KEY_A, KEY_B], warm=True) as proc:
+    with running_worker(tiny_model_dir, tmp_path_factory.mktemp("bombs"), api_keys=[KEY_A, KEY_B]) as proc:
         yield proc
 
 
@@ -163,7 +163,7 @@ def test_three_amplified_bodies_at_once_stay_within_the_parse_budget(tiny_model_
     body = b'{"tags": [' + b"1000000," * (2_000_000 - 1) + b'1000000], "type": "create_session"}'
     wire = zstandard.ZstdCompressor(level=3).compress(body)
     headers = {"X-API-Key": KEY_A, **JSON, "Content-Encoding": "zstd"}
-    with running_worker(tiny_model_dir, tmp_path, *extra, api_keys=[KEY_A, KEY_B], warm=True) as proc:
+    with running_worker(tiny_model_dir, tmp_path, *extra, api_keys=[KEY_A, KEY_B]) as proc:
         with Watch(proc.process.pid, proc.base_url + "/v1/health") as watch:
             with concurrent.futures.ThreadPoolExecutor(3) as pool:
                 answers = list(pool.map(lambda _: httpx.post(proc.base_url + "/api/v1/create_session", content=wire,

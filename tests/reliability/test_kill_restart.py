@@ -39,7 +39,7 @@ def fingerprint(storage, path: str) -> dict[str, bytes]:
 @pytest.fixture(scope="module")
 def uninterrupted(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("uninterrupted")
-    worker = WorkerProcess(tiny_model_dir, root / "storage", warm=True).start()
+    worker = WorkerProcess(tiny_model_dir, root / "storage").start()
     client = trio.ServiceClient(base_url=worker.base_url)
     try:
         path, tokens = training_loop(client)

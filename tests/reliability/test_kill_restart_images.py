@@ -49,7 +49,7 @@ def vlm_dir(tmp_path_factory):
 
 
 def test_kill_during_an_image_forward_backward_loses_nothing(vlm_dir, tmp_path, fast_retries, client_cache):
-    reference = WorkerProcess(vlm_dir, tmp_path / "reference", model_name="vlm", warm=True).start()
+    reference = WorkerProcess(vlm_dir, tmp_path / "reference", model_name="vlm").start()
     client = trio.ServiceClient(base_url=reference.base_url)
     try:
         path, losses = image_loop(client)

@@ -128,7 +128,7 @@ class Setup:
 
 
 def run_uninterrupted(setup: Setup, root: Path) -> dict:
-    worker = WorkerProcess(setup.model_dir, root / "storage", model_name=setup.model_name, warm=True).start()
+    worker = WorkerProcess(setup.model_dir, root / "storage", model_name=setup.model_name).start()
     try:
         proc = run_recipe(worker.base_url, root, setup.args)
     finally:

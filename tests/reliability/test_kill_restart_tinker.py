@@ -59,7 +59,7 @@ def fingerprint(storage, path: str) -> dict[str, bytes]:
 @pytest.fixture(scope="module")
 def uninterrupted(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("tinker-uninterrupted")
-    worker = WorkerProcess(tiny_model_dir, root / "storage", api_keys=[WORKER_KEY], warm=True).start()
+    worker = WorkerProcess(tiny_model_dir, root / "storage", api_keys=[WORKER_KEY]).start()
     try:
         path, tokens, losses = tinker_loop(worker.base_url)
         return fingerprint(root / "storage", path), tokens, losses

@@ -106,7 +106,7 @@ def _faulty_worker(tiny_model_dir, tmp_path, *extra: str) -> WorkerProcess:
     old = os.environ.get("PYTRIO_WORKER_FAULT_INJECTION")
     os.environ["PYTRIO_WORKER_FAULT_INJECTION"] = "1"
     try:
-        return WorkerProcess(tiny_model_dir, tmp_path / "storage", *extra, api_keys=[KEY_A], warm=True).start()
+        return WorkerProcess(tiny_model_dir, tmp_path / "storage", *extra, api_keys=[KEY_A]).start()
     finally:
         if old is None:
             os.environ.pop("PYTRIO_WORKER_FAULT_INJECTION")

@@ -165,7 +165,7 @@ def test_api_keys_from_a_file_stay_out_of_the_process_list(tiny_model_dir, tmp_p
     keys = tmp_path / "keys"
     keys.write_text(f"# the tenants\n{KEY_A}\n\n{KEY_B}  # second\n")
     keys.chmod(0o600)
-    with running_worker(tiny_model_dir, tmp_path, "--api-key-file", str(keys)) as proc:
+    with running_worker(tiny_model_dir, tmp_path, "--api-key-file", str(keys), warm=False) as proc:
         cmdline = Path(f"/proc/{proc.process.pid}/cmdline").read_bytes()
         assert KEY_A.encode() not in cmdline and KEY_B.encode() not in cmdline
         for key in (KEY_A, KEY_B):

@@ -33,7 +33,7 @@ def newest_state(storage) -> tuple[str, str | None]:
 @pytest.mark.parametrize("damage", ["truncate", "flip"])
 def test_torn_newest_state_falls_back_to_the_one_before(damage, tiny_model_dir, tmp_path, fast_retries,
                                                        client_cache):
-    control = WorkerProcess(tiny_model_dir, tmp_path / "control", warm=True).start()
+    control = WorkerProcess(tiny_model_dir, tmp_path / "control").start()
     client = trio.ServiceClient(base_url=control.base_url)
     try:
         tc = client.create_lora_training_client("tiny", rank=4, seed=3)
@@ -44,7 +44,7 @@ def test_torn_newest_state_falls_back_to_the_one_before(damage, tiny_model_dir, 
         control.stop()
 
     storage = tmp_path / "storage"
-    worker = WorkerProcess(tiny_model_dir, storage, warm=True).start()
+    worker = WorkerProcess(tiny_model_dir, storage).start()
     client = trio.ServiceClient(base_url=worker.base_url)
     try:
         tc = client.create_lora_training_client("tiny", rank=4, seed=3)
@@ -69,7 +69,7 @@ def test_torn_newest_state_falls_back_to_the_one_before(damage, tiny_model_dir, 
         half_saved.mkdir(parents=True)
         (half_saved / "adapter_model.safetensors").write_bytes(b"junk")
 
-        worker = WorkerProcess(tiny_model_dir, storage, warm=True).start(worker.port)
+        worker = WorkerProcess(tiny_model_dir, storage).start(worker.port)
         tc.optim_step(ADAM).result(timeout=60)
         assert saved_state(storage, tc) == expected
         assert not any(path.exists() for path in leftovers) and not half_saved.exists()

@@ -24,7 +24,7 @@ def restartable(tiny_model_dir, tmp_path, monkeypatch):
     workers = []
 
     def start(port: int = 0, *extra: str) -> WorkerProcess:
-        workers.append(WorkerProcess(tiny_model_dir, tmp_path / "storage", *extra, warm=True).start(port))
+        workers.append(WorkerProcess(tiny_model_dir, tmp_path / "storage", *extra).start(port))
         return workers[-1]
 
     yield start
