@@ -69,6 +69,7 @@ class LocalModelHost(ModelFacts):
         self.cache_kwarg = prefix_cache.cache_kwarg(self.model)
         self.prefix_sharing = self._probe_prefix_sharing()
         self.peft = None
+        self._active: str | None = None  # the adapter this host last made active (``_set_active``)
         self.adapters: dict[str, Adapter] = {}
         self._slots: dict[str, str] = {}  # sampler slot adapter name -> snapshot id loaded in it
         self._base_only: _BaseOnly | None = None
@@ -115,6 +116,7 @@ class LocalModelHost(ModelFacts):
         from peft import get_peft_model
 
         config, _ = self._lora_config(spec)
+        self._active = None
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             if self.peft is None:
@@ -153,12 +155,23 @@ class LocalModelHost(ModelFacts):
             # then fails on the missing name): one stays, unused, until another adapter exists
             unused = unused[1:]
         for name in unused:
+            self._active = None
             self.peft.delete_adapter(name)
 
     def _activate(self, adapter: Adapter) -> None:
-        self.peft.set_adapter(adapter.adapter_id)
+        self._set_active(adapter.adapter_id)
         for param in adapter.params.values():
             param.requires_grad_(True)
+
+    def _set_active(self, name: str) -> None:
+        """Make ``name`` PEFT's active adapter, unless this host made it so and no adapter was added or deleted
+        since: PEFT's ``set_adapter`` visits every LoRA layer (a few ms on a small model), and a run's slices, or
+        a sampler's requests, in a row ask for the same one. A decode on a merged copy or on the base model
+        leaves the active adapter as it was; an adapter added or deleted may change a layer's, so it clears
+        ``_active``. The other adapters' parameters, frozen or not, are not in the active adapter's forward."""
+        if self._active != name or self.peft.active_adapters != [name]:
+            self.peft.set_adapter(name)
+            self._active = name
 
     # --- forward / backward ---------------------------------------------------------------------------
 
@@ -364,7 +377,7 @@ class LocalModelHost(ModelFacts):
         if self._slots.get(slot) != snapshot.snapshot_id:
             self._set_peft_weights(slot, snapshot.tensors)
             self._slots[slot] = snapshot.snapshot_id
-        self.peft.set_adapter(slot)
+        self._set_active(slot)
         return self.peft
 
 

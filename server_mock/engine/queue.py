@@ -175,7 +175,9 @@ class ModelQueue:
         self.policy = policy or FairShare()
         self.loop = loop
         self.batch_token_budget = batch_token_budget
-        self.batch_window = batch_window  # a short wait lets requests sent together arrive together
+        # a short wait lets requests sent together arrive together; skipped while other owners have work (the
+        # model would idle while they wait; later arrivals for the weights join the decode batch at its next step)
+        self.batch_window = batch_window
         self.slice_seconds = slice_seconds
         self.slice_jobs = True  # False: a job that could run in slices runs in one go (``Job.fn``)
         self._lanes: collections.OrderedDict[str, collections.deque[Job]] = collections.OrderedDict()
@@ -254,6 +256,11 @@ class ModelQueue:
     def _held(self, owner: str) -> bool:
         """Whether the owner has work in progress to resume at its turn (a decode batch, a sliced job)."""
         return owner in self._sessions or owner in self._stepping
+
+    def _others_wait(self, owner: str) -> bool:
+        """Whether an owner other than ``owner`` has work waiting for a turn."""
+        with self._cond:
+            return any(other != owner and self._ready(other) for other in self._lanes)
 
     def _ready(self, owner: str) -> bool:
         return self._held(owner) or bool(self._lanes.get(owner))
@@ -342,7 +349,7 @@ class ModelQueue:
                 self._add(running, head)
                 self._slice(running)
                 continue
-            if self.batch_window > 0:
+            if self.batch_window > 0 and not self._others_wait(owner):
                 time.sleep(self.batch_window)
             group = [head] + self._joiners(head.batch_key, self.batch_token_budget - head.batch_cost)
             decoding = None
