@@ -83,6 +83,11 @@ class Decoding(Protocol):
 
     def add(self, payload: Any) -> int: ...
 
+    def add_many(self, payloads: list[Any]) -> list[int]:
+        """Prefill jobs for the same weights together (one prefill where ``add`` would make one each); all or
+        none of them. Optional: a decoding without it is given its jobs one by one."""
+        ...
+
     def run(self, stop: Callable[[], bool]) -> list[tuple[int, dict]]: ...
 
 
@@ -371,8 +376,7 @@ class ModelQueue:
             with self._cond:
                 self._sessions[owner] = session
                 self._lanes.setdefault(owner, collections.deque())
-            for job in group:
-                self._add(session, job)
+            self._add_all(session, group)
             self._slice(session)
 
     def _running_for(self, job: Job) -> _Session | None:
@@ -421,8 +425,36 @@ class ModelQueue:
 
     # --- decode sessions --------------------------------------------------------------------------------
 
+    def _add_all(self, session: _Session, jobs: list[Job]) -> None:
+        """Prefill the jobs into the session, those for the same weights together where the decoding can
+        (``add_many``); a group whose admission fails is added again job by job, so only a bad request fails."""
+        add_many = getattr(session.decoding, "add_many", None)
+        groups: dict[str | None, list[Job]] = {}
+        for job in jobs:
+            groups.setdefault(job.batch_key, []).append(job)
+        for group in groups.values():
+            if add_many is None or len(group) == 1:
+                for job in group:
+                    self._add(session, job)
+                continue
+            self._start(group)
+            try:
+                handles = add_many([job.payload for job in group])
+            except Exception as exc:  # noqa: BLE001 - none was admitted: each tries alone, to fail on its own
+                logger.info("admitting %d requests together failed (%s); adding them one by one", len(group), exc)
+                for job in group:
+                    self._admit(session, job)
+                continue
+            for job, handle in zip(group, handles):
+                session.jobs[handle] = job
+                session.cost += job.batch_cost
+
     def _add(self, session: _Session, job: Job) -> None:
         self._start([job])
+        self._admit(session, job)
+
+    def _admit(self, session: _Session, job: Job) -> None:
+        """Prefill a started job into the session (a failure is the job's alone)."""
         try:
             handle = session.decoding.add(job.payload)
         except Exception as exc:  # noqa: BLE001 - this request alone fails (its prefill left the batch as it was)
@@ -464,8 +496,7 @@ class ModelQueue:
 
         while True:
             if arrivals():
-                for job in self._joiners(session.key, self.batch_token_budget - session.cost, session):
-                    self._add(session, job)
+                self._add_all(session, self._joiners(session.key, self.batch_token_budget - session.cost, session))
             seen = queued()
             self.observer.batch(list(session.jobs.values()))
             stepped = False

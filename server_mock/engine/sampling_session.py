@@ -85,7 +85,14 @@ class SamplingSession:
     def add(self, spec, snapshot=_SAME) -> int:
         """Prefill a request into the batch (it decodes with the next ``run``); its handle. ``snapshot``: its
         weights, where they may differ from the session's (``can_mix``)."""
-        check_spec(spec, self.host.tokenizer)
+        return self.add_many([spec], snapshot)[0]
+
+    def add_many(self, specs: list, snapshot=_SAME) -> list[int]:
+        """Prefill requests for the same weights into the batch together: one prefill of their prompts (of what
+        follows a stored prefix, where they share one) and one stack under the running batch, where one by one
+        each would read the weights again. Their handles; a failure admits none of them."""
+        for spec in specs:
+            check_spec(spec, self.host.tokenizer)
         snapshot = self.snapshot if snapshot is _SAME else snapshot
         tag = weights_tag(snapshot)
         if self.mixed is None and tag != weights_tag(self.snapshot):
@@ -93,18 +100,20 @@ class SamplingSession:
                 raise ValueError("this decode batch takes requests for its own weights only")
             self._go_mixed()
         if self.mixed is not None:
-            self.mixed.join(tag, snapshot)
+            self.mixed.join(tag, snapshot, len(specs))
         self.batch.model = self._activate()
         try:
-            handle = self.batch.admit([spec], tag=tag)[0]
+            handles = self.batch.admit(list(specs), tag=tag)
         except BaseException:
             if self.mixed is not None:
-                self.mixed.leave(tag)
+                for _ in specs:
+                    self.mixed.leave(tag)
             raise
-        self.requests += 1
-        self._open[tag] += 1
-        self._tags[handle] = tag
-        return handle
+        self.requests += len(handles)
+        self._open[tag] += len(handles)
+        for handle in handles:
+            self._tags[handle] = tag
+        return handles
 
     def _go_mixed(self) -> None:
         """From now on decode every row with its own adapter (the open requests keep their weights)."""

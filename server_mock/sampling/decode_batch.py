@@ -246,9 +246,24 @@ class DecodeBatch:
                 self._finish(handle)
             else:
                 self._waiting.append(handle)
-        with torch.no_grad(), EvalMode(self.model):
-            self._prefill_waiting()
+        try:
+            with torch.no_grad(), EvalMode(self.model):
+                self._prefill_waiting()
+        except BaseException:
+            self._withdraw(handles)
+            raise
         return handles
+
+    def _withdraw(self, handles: list[int]) -> None:
+        """A failed admission leaves none of its requests behind: none waits, decodes or is reported finished (rows
+        already stacked under the batch ride along unread until the next compaction, as stopped rows do)."""
+        gone = set(handles)
+        rows = {r for h in handles for r in self.requests[h].rows}
+        for r in rows:
+            self.rows[r].done = True
+        self._waiting = [h for h in self._waiting if h not in gone]
+        self._live = [r for r in self._live if r not in rows]
+        self._finished = [f for f in self._finished if f.handle not in gone]
 
     def _prefill_waiting(self) -> None:
         if not self._waiting:

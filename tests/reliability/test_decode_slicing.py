@@ -246,3 +246,70 @@ def test_a_request_for_the_same_weights_joins_another_tenants_running_batch(tiny
         assert [s["tokens"] for s in mine["sequences"]] == [s["tokens"] for s in alone["sequences"]]
         for x, y in zip(mine["sequences"], alone["sequences"]):
             assert max(abs(p - q) for p, q in zip(x["logprobs"], y["logprobs"])) < 1e-5
+
+
+class GroupDecoding(FakeDecoding):
+    """A FakeDecoding that also admits a group at once (``add_many``), recording each group; ``refuse_groups``:
+    every group admission fails (as a prefill that runs out of memory would), and a payload tagged ``*bad`` fails
+    on its own."""
+
+    def __init__(self, log: list, name: str, refuse_groups: bool = False) -> None:
+        super().__init__(log, name)
+        self.groups: list[list[str]] = []
+        self.refuse_groups = refuse_groups
+
+    def add(self, payload) -> int:
+        if payload[0].endswith("bad"):
+            raise ValueError(f"{payload[0]} cannot be prefilled")
+        return super().add(payload)
+
+    def add_many(self, payloads) -> list[int]:
+        if self.refuse_groups:
+            raise RuntimeError("the group's prefill failed")
+        self.groups.append([tag for tag, _ in payloads])
+        return [super(GroupDecoding, self).add(payload) for payload in payloads]
+
+
+@pytest.mark.parametrize("refuse_groups", [False, True])
+def test_requests_queued_for_the_same_weights_are_admitted_as_one_group(refuse_groups):
+    """Five requests for one set of weights that waited together are prefilled as one group (one ``add_many``);
+    where the group's admission fails, each is added alone and only the one that cannot be prefilled fails."""
+    loop = asyncio.new_event_loop()
+    queue = ModelQueue("unit", loop, batch_token_budget=65536, batch_window=0.0)
+    log: list[str] = []
+    made: list[GroupDecoding] = []
+    started, release = threading.Event(), threading.Event()
+
+    def hold() -> dict:  # B's op holds the model's thread while A's requests queue up
+        started.set()
+        release.wait(20)
+        return {}
+    try:
+        queue.put(Job(request_id="B-op", kind="test", fn=hold, owner="B"))
+        assert started.wait(20)
+        tags = ["A0", "A1", "A2bad" if refuse_groups else "A2", "A3", "A4"]
+        jobs = []
+        for tag in tags:
+            job = Job(request_id=tag, kind="sample", fn=lambda: {}, owner="A", batch_key="wA")
+            job.payload, job.batch_cost = (tag, 3), 1
+
+            def open_decode():
+                made.append(GroupDecoding(log, "wA", refuse_groups))
+                return made[-1]
+            job.open_decode = open_decode
+            jobs.append(job)
+            queue.put(job)
+        release.set()
+        _wait_until(lambda: all(job.finished for job in jobs))
+        assert len(made) == 1
+        if refuse_groups:
+            assert made[0].groups == [] and made[0].added == ["A0", "A1", "A3", "A4"]
+            assert jobs[2].error is not None and "A2bad cannot be prefilled" in jobs[2].error.message
+            assert [job.result for job in jobs if job is not jobs[2]] == [{"tag": t} for t in ("A0", "A1", "A3", "A4")]
+        else:
+            assert made[0].groups == [tags]  # one admission for all five
+            assert [job.result for job in jobs] == [{"tag": t} for t in tags]
+    finally:
+        release.set()
+        queue.stop()
+        loop.close()

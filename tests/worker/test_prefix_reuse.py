@@ -330,3 +330,72 @@ def test_the_sdks_concurrent_requests_get_the_same_answers_with_and_without_reus
     for x, y in zip(with_reuse, without):
         assert np.abs(np.asarray(x.logprobs) - np.asarray(y.logprobs)).max() <= TOL
     assert stores[1] is None and stores[0].stats.hits + stores[0].stats.tokens_reused > 0
+
+
+def _counting_forward(monkeypatch, fail_at: int | None = None) -> list[int]:
+    """Count the decode batch's model calls by the tokens each feeds (``fail_at``: that call raises instead)."""
+    from server_mock.sampling import decode_batch
+
+    calls: list[int] = []
+    real = decode_batch.forward
+
+    def counted(model, input_ids, *args, **kwargs):
+        calls.append(int(input_ids.shape[1]))
+        if fail_at is not None and len(calls) == fail_at:
+            raise RuntimeError("out of memory (injected)")
+        return real(model, input_ids, *args, **kwargs)
+    monkeypatch.setattr(decode_batch, "forward", counted)
+    return calls
+
+
+def test_requests_admitted_together_prefill_once_and_get_their_solo_answers(tiny_model_dir, monkeypatch):
+    """Six requests sharing a prefix, admitted together (``add_many``): the prefix is prefilled once and the six
+    suffixes in one more model call, where added one by one each request is one call at least; every request's
+    tokens are its solo tokens and its logprobs agree within 1e-4."""
+    host = _host(tiny_model_dir)
+    snapshot = _snapshots(host, 1)[0]
+    specs = [_spec(i) for i in range(6)]
+    solo = [generate_batch(host.sampling_model(snapshot), [s], host.tokenizer)[0] for s in specs]
+    results = {}
+    for together in (True, False):  # together first, on an empty prefix store
+        session = SamplingSession(host, snapshot)
+        calls = _counting_forward(monkeypatch)
+        handles = session.add_many(specs) if together else [session.add(s) for s in specs]
+        prefill_calls = list(calls)
+        out: dict = {}
+        _drain(session, out)
+        monkeypatch.undo()
+        results[together] = ([out[h] for h in handles], prefill_calls)
+    got, prefill = results[True]
+    _check(got, solo)
+    _check(results[False][0], solo)
+    assert len(prefill) <= 2 and sum(prefill) < sum(len(s.prompt_tokens) for s in specs), prefill
+    assert len(results[False][1]) >= len(specs), results[False][1]
+
+
+def test_a_group_whose_prefill_fails_leaves_the_running_batch_as_it_was(tiny_model_dir, monkeypatch):
+    """A running request, then a group of two prefixes whose second prefill fails after the first's rows were
+    stacked: the group admits none of its requests (no handle finishes, none decodes), the running request gets
+    its solo answer, and a later group is served as usual."""
+    host = _host(tiny_model_dir)
+    snapshot = _snapshots(host, 1)[0]
+    other = list(range(200, 250))
+    first, later = _spec(0, max_tokens=12), [_spec(i) for i in range(4, 6)]
+    # two prefixes: the first group's rows start decoding, then the second's prefill fails
+    group = [_spec(1), _spec(2), _spec(3, prefix=other), _spec(7, prefix=other)]
+    model = host.sampling_model(snapshot)
+    solo = [generate_batch(model, [s], host.tokenizer)[0] for s in (first, *later)]
+    session = SamplingSession(host, snapshot)
+    kept = session.add(first)
+    session.run(_steps(2))
+    calls = _counting_forward(monkeypatch, fail_at=3)
+    with pytest.raises(RuntimeError, match="injected"):
+        session.add_many(group)
+    assert len(calls) == 3  # prefix, suffixes, then the other prefix's prefill fails
+    monkeypatch.undo()
+    assert session.batch.live_rows == first.num_samples and not session.batch._waiting
+    added = session.add_many(later)
+    out: dict = {}
+    _drain(session, out)
+    assert set(out) == {kept, *added}
+    _check([out[kept], *[out[h] for h in added]], solo)
