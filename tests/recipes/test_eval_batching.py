@@ -37,7 +37,7 @@ def test_batched_evaluation_gives_every_problem_its_own_greedy_tokens(worker, mo
     # the SDK's default of 16 in flight (the demos' evaluation: requests join as others end), and all at once
     for in_flight in (16, 64):
         batched, batched_accuracy = _greedy(worker, monkeypatch, tmp_path, in_flight=in_flight)
-        assert max(r.metrics["batch_requests"] for r in batched) > len(batched) / 2  # decoded together
+        assert max(r.metrics["batch_requests"] for r in batched) >= len(batched) / 2  # decoded together
         for i, (a, b) in enumerate(zip(alone, batched)):
             assert list(b.sequences[0].tokens) == list(a.sequences[0].tokens), (in_flight, i)
             assert b.sequences[0].logprobs == pytest.approx(a.sequences[0].logprobs, abs=1e-4), (in_flight, i)
