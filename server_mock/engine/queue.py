@@ -69,7 +69,8 @@ class Job:
 class Decoding(Protocol):
     """Sample jobs for the same weights decoding as one batch, in slices (service/samplers.py wraps an engine
     ``SamplingSession``). ``add`` prefills a job's request into the batch; ``run`` decodes until one finishes,
-    nothing is left, or ``stop()`` (asked before every step) says to yield."""
+    nothing is left, or ``stop()`` (asked before every step) says to yield. A decoding may also have
+    ``add_many(payloads) -> handles``: several jobs prefilled together (all added, or none and it raises)."""
 
     @property
     def active(self) -> bool: ...
@@ -364,8 +365,10 @@ class ModelQueue:
             with self._cond:
                 self._sessions[owner] = session
                 self._lanes.setdefault(owner, collections.deque())
-            for job in group:
-                self._add(session, job)
+            if session.mix is not None:  # queued jobs of other weights of its mix key start with it
+                group += self._joiners(head.batch_key, self.batch_token_budget - sum(j.batch_cost for j in group),
+                                       session)
+            self._add_all(session, group)
             self._slice(session)
 
     def _running_for(self, job: Job) -> _Session | None:
@@ -414,8 +417,28 @@ class ModelQueue:
 
     # --- decode sessions --------------------------------------------------------------------------------
 
-    def _add(self, session: _Session, job: Job) -> None:
-        self._start([job])
+    def _add_all(self, session: _Session, jobs: list[Job]) -> None:
+        """Add jobs to the session, prefilled together where the decoding can (``add_many``); if that fails, one by
+        one, so that only a request that fails alone fails."""
+        add_many = getattr(session.decoding, "add_many", None)
+        if len(jobs) < 2 or add_many is None:
+            for job in jobs:
+                self._add(session, job)
+            return
+        self._start(jobs)
+        try:
+            handles = add_many([job.payload for job in jobs])
+        except Exception:  # noqa: BLE001 - nothing was added: each job is added alone
+            for job in jobs:
+                self._add(session, job, started=True)
+            return
+        for handle, job in zip(handles, jobs):
+            session.jobs[handle] = job
+            session.cost += job.batch_cost
+
+    def _add(self, session: _Session, job: Job, started: bool = False) -> None:
+        if not started:
+            self._start([job])
         try:
             handle = session.decoding.add(job.payload)
         except Exception as exc:  # noqa: BLE001 - this request alone fails (its prefill left the batch as it was)
@@ -457,8 +480,7 @@ class ModelQueue:
 
         while True:
             if arrivals():
-                for job in self._joiners(session.key, self.batch_token_budget - session.cost, session):
-                    self._add(session, job)
+                self._add_all(session, self._joiners(session.key, self.batch_token_budget - session.cost, session))
             seen = queued()
             self.observer.batch(list(session.jobs.values()))
             stepped = False

@@ -278,7 +278,7 @@ class _SampleDecoding:
 
     @classmethod
     def open(cls, host: ModelHost, snapshot: Snapshot | None):
-        session = host.sampling_session(snapshot)
+        session = host.sampling_session(snapshot, defer=True)
         return None if session is None else cls(host, session)
 
     @property
@@ -297,6 +297,13 @@ class _SampleDecoding:
         handle = self.session.add(payload[0], payload[2]())
         self.payloads[handle] = payload
         return handle
+
+    def add_many(self, payloads: list[tuple]) -> list[int]:
+        """``add`` for several requests, prefilled together; if one fails, none was added."""
+        handles = self.session.add_many([(payload[0], payload[2]()) for payload in payloads])
+        for handle, payload in zip(handles, payloads):
+            self.payloads[handle] = payload
+        return handles
 
     def run(self, stop) -> list[tuple[int, dict]]:
         finished = self.session.run(stop)
