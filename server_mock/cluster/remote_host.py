@@ -145,7 +145,7 @@ class RemoteModelHost(ModelFacts):
         timings["replica"] = float(index)
         return results
 
-    def sampling_session(self, snapshot: Snapshot | None) -> None:
+    def sampling_session(self, snapshot: Snapshot | None, defer: bool = False) -> None:
         """None: a replica decodes each batch in one go (the replicas' own threads keep other tenants moving)."""
         return None
 

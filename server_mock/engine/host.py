@@ -76,9 +76,10 @@ class ModelHost(Protocol):
     def sample_batch(self, snapshot: Snapshot | None, specs: list, timings: dict[str, float]) -> list:
         """Generate for every ``SampleSpec`` as one batch with the snapshot's weights (None: the base model)."""
 
-    def sampling_session(self, snapshot: Snapshot | None) -> Any | None:
+    def sampling_session(self, snapshot: Snapshot | None, defer: bool = False) -> Any | None:
         """A resumable decode batch for these weights (engine/sampling_session.py), which the model queue runs in
-        slices and adds requests to while it decodes; None where the host decodes a batch in one go."""
+        slices and adds requests to while it decodes; None where the host decodes a batch in one go. ``defer``:
+        its model is chosen when its first requests come (by whether they are of several adapters)."""
 
 
 class ModelFacts:

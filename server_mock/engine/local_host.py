@@ -312,9 +312,10 @@ class LocalModelHost(ModelFacts):
         return generate_batch(model, specs, self.tokenizer, timings, self.sampling_support, self.static_steps(model),
                               vision=self.vision)
 
-    def sampling_session(self, snapshot: Snapshot | None) -> SamplingSession:
-        """A decode batch for these weights that the model queue runs in slices and adds requests to."""
-        return SamplingSession(self, snapshot)
+    def sampling_session(self, snapshot: Snapshot | None, defer: bool = False) -> SamplingSession:
+        """A decode batch for these weights that the model queue runs in slices and adds requests to (``defer``:
+        its model chosen by its first requests, ``SamplingSession``)."""
+        return SamplingSession(self, snapshot, defer)
 
     @property
     def can_mix(self) -> bool:

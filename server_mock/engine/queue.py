@@ -84,8 +84,8 @@ class Decoding(Protocol):
     def add(self, payload: Any) -> int: ...
 
     def add_many(self, payloads: list[Any]) -> list[int]:
-        """Prefill jobs for the same weights together (one prefill where ``add`` would make one each); all or
-        none of them. Optional: a decoding without it is given its jobs one by one."""
+        """Prefill several jobs together (one prefill where ``add`` would make one each); all of them are added,
+        or none and it raises. Optional: a decoding without it is given its jobs one by one."""
         ...
 
     def run(self, stop: Callable[[], bool]) -> list[tuple[int, dict]]: ...
@@ -376,6 +376,9 @@ class ModelQueue:
             with self._cond:
                 self._sessions[owner] = session
                 self._lanes.setdefault(owner, collections.deque())
+            if session.mix is not None:  # queued jobs of other weights of its mix key start with it
+                group += self._joiners(head.batch_key, self.batch_token_budget - sum(j.batch_cost for j in group),
+                                       session)
             self._add_all(session, group)
             self._slice(session)
 
@@ -426,28 +429,25 @@ class ModelQueue:
     # --- decode sessions --------------------------------------------------------------------------------
 
     def _add_all(self, session: _Session, jobs: list[Job]) -> None:
-        """Prefill the jobs into the session, those for the same weights together where the decoding can
-        (``add_many``); a group whose admission fails is added again job by job, so only a bad request fails."""
+        """Prefill the jobs into the session together where the decoding can (``add_many``: one prefill for all,
+        whatever adapters they use); if that fails none was admitted, and each is added alone, so that only a
+        request that fails alone fails."""
         add_many = getattr(session.decoding, "add_many", None)
-        groups: dict[str | None, list[Job]] = {}
-        for job in jobs:
-            groups.setdefault(job.batch_key, []).append(job)
-        for group in groups.values():
-            if add_many is None or len(group) == 1:
-                for job in group:
-                    self._add(session, job)
-                continue
-            self._start(group)
-            try:
-                handles = add_many([job.payload for job in group])
-            except Exception as exc:  # noqa: BLE001 - none was admitted: each tries alone, to fail on its own
-                logger.info("admitting %d requests together failed (%s); adding them one by one", len(group), exc)
-                for job in group:
-                    self._admit(session, job)
-                continue
-            for job, handle in zip(group, handles):
-                session.jobs[handle] = job
-                session.cost += job.batch_cost
+        if add_many is None or len(jobs) < 2:
+            for job in jobs:
+                self._add(session, job)
+            return
+        self._start(jobs)
+        try:
+            handles = add_many([job.payload for job in jobs])
+        except Exception as exc:  # noqa: BLE001 - none was admitted: each tries alone, to fail on its own
+            logger.info("admitting %d requests together failed (%s); adding them one by one", len(jobs), exc)
+            for job in jobs:
+                self._admit(session, job)
+            return
+        for job, handle in zip(jobs, handles):
+            session.jobs[handle] = job
+            session.cost += job.batch_cost
 
     def _add(self, session: _Session, job: Job) -> None:
         self._start([job])

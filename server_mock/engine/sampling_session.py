@@ -39,25 +39,51 @@ def weights_tag(snapshot: Snapshot | None) -> str:
 class SamplingSession:
     """A ``DecodeBatch`` for one set of weights (a snapshot, or None for the base model) on a local host."""
 
-    def __init__(self, host, snapshot: Snapshot | None) -> None:
+    def __init__(self, host, snapshot: Snapshot | None, defer: bool = False) -> None:
+        """``defer``: choose the model at the first ``add``/``add_many`` (a batch whose first requests are of
+        several adapters then starts on the mixed decoder and never builds the merged copy of the first one's)."""
         self.host, self.snapshot = host, snapshot
-        started = time.perf_counter()
         self.mixed: MixedLoraDecoder | None = None
         self._open: collections.Counter[str] = collections.Counter()  # open requests by weights tag
         self._tags: dict[int, str] = {}  # request handle -> its weights tag
-        if getattr(host, "batch_invariant", False) and host.can_mix:
+        self._load_s: dict[int, float] = {}  # request handle -> seconds spent putting weights in place for it
+        self._pending_load_s = 0.0  # weights put in place before the first request (its share when it comes)
+        self.load_weights_s = 0.0  # all of it, for the session
+        self.model = None
+        self.merged = False
+        self.batch = DecodeBatch(host.model, host.tokenizer, host.sampling_support,
+                                 profile=getattr(host, "decode_profile", None), static=None, vision=host.vision,
+                                 prefix_store=getattr(host, "prefix_store", None))
+        if not defer:
+            self._choose_model(mixed=False)
+        self.requests = 0  # requests added so far (the batch_requests metric)
+
+    def _choose_model(self, mixed: bool) -> None:
+        """The model the batch decodes on: the mixed decoder (``mixed``, or always with ``--batch-invariant``),
+        else, while the batch holds one adapter, its merged copy (or the sampler slot)."""
+        started = time.perf_counter()
+        host = self.host
+        if (mixed or getattr(host, "batch_invariant", False)) and host.can_mix:
             self.mixed = host.mixed_decoder()
             self.model = self.mixed
         else:
             # kept while the batch holds one adapter, so its requests decode on the same model (merged or not)
-            self.model = host.decode_model(snapshot)
+            self.model = host.decode_model(self.snapshot)
         self.merged = isinstance(self.model, MergedDecoder)
-        self.load_weights_s = time.perf_counter() - started
-        self.batch = DecodeBatch(self.model, host.tokenizer, host.sampling_support,
-                                 profile=getattr(host, "decode_profile", None),
-                                 static=None if self.mixed else host.static_steps(self.model), vision=host.vision,
-                                 prefix_store=getattr(host, "prefix_store", None))
-        self.requests = 0  # requests added so far (the batch_requests metric)
+        self.batch.model = self.model
+        self.batch.static = None if self.mixed else host.static_steps(self.model)
+        self._loaded(time.perf_counter() - started)
+
+    def _loaded(self, seconds: float, handles=None) -> None:
+        """``seconds`` of weight loading, charged to ``handles`` (None: every open request, or the first to come)."""
+        self.load_weights_s += seconds
+        if handles is None:
+            handles = list(self._tags)
+            if not handles:
+                self._pending_load_s += seconds
+                return
+        for handle in handles:
+            self._load_s[handle] = self._load_s.get(handle, 0.0) + seconds
 
     @property
     def can_mix(self) -> bool:
@@ -71,7 +97,7 @@ class SamplingSession:
             return self.model
         started = time.perf_counter()
         model = self.host.sampling_model(self.snapshot)
-        self.load_weights_s += time.perf_counter() - started
+        self._loaded(time.perf_counter() - started)
         return model
 
     @property
@@ -85,34 +111,44 @@ class SamplingSession:
     def add(self, spec, snapshot=_SAME) -> int:
         """Prefill a request into the batch (it decodes with the next ``run``); its handle. ``snapshot``: its
         weights, where they may differ from the session's (``can_mix``)."""
-        return self.add_many([spec], snapshot)[0]
+        return self.add_many([(spec, self.snapshot if snapshot is _SAME else snapshot)])[0]
 
-    def add_many(self, specs: list, snapshot=_SAME) -> list[int]:
-        """Prefill requests for the same weights into the batch together: one prefill of their prompts (of what
-        follows a stored prefix, where they share one) and one stack under the running batch, where one by one
-        each would read the weights again. Their handles; a failure admits none of them."""
-        for spec in specs:
+    def add_many(self, requests: list) -> list[int]:
+        """Prefill ``(spec, snapshot)`` requests into the batch together (one prefill where the batch can take
+        them); their handles. If one fails, none was added."""
+        for spec, _ in requests:
             check_spec(spec, self.host.tokenizer)
-        snapshot = self.snapshot if snapshot is _SAME else snapshot
-        tag = weights_tag(snapshot)
-        if self.mixed is None and tag != weights_tag(self.snapshot):
-            if not self.can_mix:
-                raise ValueError("this decode batch takes requests for its own weights only")
+        tags = [weights_tag(snapshot) for _, snapshot in requests]
+        own = weights_tag(self.snapshot)
+        others = any(tag != own for tag in tags)
+        if others and not self.can_mix:
+            raise ValueError("this decode batch takes requests for its own weights only")
+        if self.model is None:
+            self._choose_model(mixed=others)
+        elif others and self.mixed is None:
             self._go_mixed()
-        if self.mixed is not None:
-            self.mixed.join(tag, snapshot, len(specs))
-        self.batch.model = self._activate()
+        joined, load_s = [], []
         try:
-            handles = self.batch.admit(list(specs), tag=tag)
+            for tag, (_, snapshot) in zip(tags, requests):
+                started = time.perf_counter()
+                if self.mixed is not None:
+                    self.mixed.join(tag, snapshot)
+                    joined.append(tag)
+                load_s.append(time.perf_counter() - started)
+            self.batch.model = self._activate()
+            handles = self.batch.admit([spec for spec, _ in requests], tags=tags)
         except BaseException:
-            if self.mixed is not None:
-                for _ in specs:
-                    self.mixed.leave(tag)
+            for tag in joined:
+                self.mixed.leave(tag)
             raise
-        self.requests += len(handles)
-        self._open[tag] += len(handles)
-        for handle in handles:
+        share = self._pending_load_s / len(handles) if handles else 0.0
+        self._pending_load_s = 0.0
+        for handle, tag, seconds in zip(handles, tags, load_s):
+            self.requests += 1
+            self._open[tag] += 1
             self._tags[handle] = tag
+            self._load_s[handle] = self._load_s.get(handle, 0.0) + seconds + share
+            self.load_weights_s += seconds
         return handles
 
     def _go_mixed(self) -> None:
@@ -125,23 +161,32 @@ class SamplingSession:
         self.model = self.mixed
         self.merged = False
         self.batch.use_model(self.mixed)
-        self.load_weights_s += time.perf_counter() - started
+        seconds = time.perf_counter() - started  # for the requests that join now (the open ones decode on)
+        self.load_weights_s += seconds
+        self._pending_load_s += seconds
 
     def _left(self, handle: int) -> None:
         tag = self._tags.pop(handle)
+        self._load_s.pop(handle, None)
         self._open[tag] -= 1
         if self.mixed is not None:
             self.mixed.leave(tag)
 
     def run(self, stop: Callable[[], bool]) -> list[tuple[int, SampleResult, dict[str, float]]]:
         """Decode until a request finishes, nothing is left, or ``stop()`` says to yield; the finished requests
-        with their timings (``load_weights``, ``prefill``, ``decode``)."""
+        with their timings (``load_weights``: the seconds spent putting weights in place for that request: its
+        share of choosing the batch's model, its adapter's copy into a batch slot, and any reload of the session's
+        weights while it was open; ``prefill``, ``decode``)."""
+        if self.model is None:
+            return []
         self.batch.model = self._activate()
         self.batch.run(lambda: self.batch.has_finished or stop())
         finished = self.batch.take_finished()
+        out = []
         for done in finished:
+            load_s = self._load_s.get(done.handle, 0.0)
             self._left(done.handle)
-        return [(done.handle, result_of(done), {"load_weights": self.load_weights_s, "prefill": done.prefill_s,
-                                                 "decode": done.decode_s})
-                for done in finished]
+            out.append((done.handle, result_of(done), {"load_weights": load_s, "prefill": done.prefill_s,
+                                                       "decode": done.decode_s}))
+        return out
 

@@ -219,18 +219,19 @@ class DecodeBatch:
         self._leave_static()
         self.static, self.model = None, model
 
-    def admit(self, specs: list, tag: str = "") -> list[int]:
+    def admit(self, specs: list, tag: str = "", tags: list[str] | None = None) -> list[int]:
         """Queue requests into the batch; they are prefilled now where the batch can take them. Their handles.
-        ``tag``: which weights their rows use where the model decodes rows of several (``select_rows``)."""
+        ``tag``: which weights their rows use where the model decodes rows of several (``select_rows``); ``tags``:
+        each request's, where they differ."""
         handles = []
-        for spec in specs:
+        for i, spec in enumerate(specs):
             handle = len(self.requests)
             seed = spec.seed if spec.seed is not None else random.SystemRandom().getrandbits(63)
             stops = [s for s in spec.stop_strings if s]
             # a newly completed stop string lies in the last (its byte length) tokens, each token >= 1 byte; a
             # few extra tokens cover decoders that strip a leading space
             window = max((len(s.encode("utf-8")) for s in stops), default=0) + 4
-            request = _Request(spec, [], stops, window, tag=tag)
+            request = _Request(spec, [], stops, window, tag=tag if tags is None else tags[i])
             for r in range(spec.num_samples):
                 gen = None
                 if spec.temperature != 0:

@@ -278,7 +278,7 @@ class _SampleDecoding:
 
     @classmethod
     def open(cls, host: ModelHost, snapshot: Snapshot | None):
-        session = host.sampling_session(snapshot)
+        session = host.sampling_session(snapshot, defer=True)
         return None if session is None else cls(host, session)
 
     @property
@@ -294,15 +294,15 @@ class _SampleDecoding:
 
     def add(self, payload: tuple) -> int:
         """Prefill ``(spec, return_text, load)`` into the batch (``load`` gives its weights, on this thread)."""
-        return self.add_many([payload])[0]
+        handle = self.session.add(payload[0], payload[2]())
+        self.payloads[handle] = payload
+        return handle
 
     def add_many(self, payloads: list[tuple]) -> list[int]:
-        """Prefill requests for the same weights together (the session's ``add_many``: all or none)."""
-        snapshots = [payload[2]() for payload in payloads]
-        if any(snapshot is not snapshots[0] for snapshot in snapshots[1:]):
-            raise ValueError("add_many takes requests for one set of weights")
-        handles = self.session.add_many([payload[0] for payload in payloads], snapshots[0])
-        self.payloads.update(zip(handles, payloads))
+        """``add`` for several requests, prefilled together; if one fails, none was added."""
+        handles = self.session.add_many([(payload[0], payload[2]()) for payload in payloads])
+        for handle, payload in zip(handles, payloads):
+            self.payloads[handle] = payload
         return handles
 
     def run(self, stop) -> list[tuple[int, dict]]:

@@ -430,6 +430,98 @@ def test_the_queue_joins_other_weights_by_mix_key_only():
         loop.close()
 
 
+def test_requests_of_several_adapters_added_together_start_mixed_with_one_prefill(host, snaps):
+    """A deferred session given requests of several adapters at once (the queue's ``add_many``) starts on the
+    mixed decoder (no merged copy of the first adapter is built) and prefills them in one forward; each request
+    still gets its solo tokens, logprobs within 1e-4; each reports the weight loading done for it, not the
+    session's total."""
+    weights = [*snaps, None]
+    specs = [_spec(i) for i in range(len(weights))]
+    solo = [_solo(host, w, s) for w, s in zip(weights, specs)]
+    built = []
+    decode_model = host.decode_model
+    host.decode_model = lambda snapshot: built.append(snapshot) or decode_model(snapshot)
+    profile: dict = {}
+    host.decode_profile = profile
+    try:
+        session = host.sampling_session(weights[0], defer=True)
+        assert session.model is None
+        handles = session.add_many(list(zip(specs, weights)))
+        out, timings = {}, {}
+        while session.active:
+            for handle, result, timing in session.run(lambda: False):
+                out[handle], timings[handle] = result, timing
+    finally:
+        host.decode_model = decode_model
+        host.decode_profile = None
+    assert built == [] and isinstance(session.model, MixedLoraDecoder)
+    assert session.batch.prefill_s > 0 and profile.get("prefill", 0) > 0
+    for handle, ref in zip(handles, solo):
+        _check(out[handle], ref)
+    assert len({timings[h]["prefill"] for h in handles}) == 1  # one prefill for them all
+    loads = [timings[h]["load_weights"] for h in handles]
+    assert sum(loads) == pytest.approx(session.load_weights_s, rel=1e-6, abs=1e-9)
+
+
+def test_a_deferred_session_of_one_adapter_decodes_merged(host, snaps):
+    session = host.sampling_session(snaps[0], defer=True)
+    handle = session.add(_spec(0))
+    out: dict = {}
+    _drain(session, out)
+    assert session.mixed is None and session.merged
+    _check(out[handle], _solo(host, snaps[0], _spec(0)), exact=True)
+
+
+class _ManyDecoding(_MixingDecoding):
+    """``_MixingDecoding`` that also takes several jobs at once (``add_many``), failing where told to."""
+
+    def __init__(self, log: list, fail: bool = False) -> None:
+        super().__init__(log)
+        self.fail = fail
+
+    def add_many(self, payloads) -> list[int]:
+        self.log.append(("add_many", list(payloads)))
+        if self.fail:
+            raise RuntimeError("one of them cannot be prefilled")
+        return [self.add(p) for p in payloads]
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_the_queue_opens_a_batch_with_every_queued_job_of_its_mix_key(fail):
+    """Jobs of several weights of one mix key queued together open one batch and are added in one ``add_many``
+    (one prefill); if that fails, each is added alone."""
+    loop = asyncio.new_event_loop()
+    queue = ModelQueue("unit", loop, batch_window=0.05)
+    log: list = []
+    opened: list = []
+
+    def job(tag, weights):
+        j = Job(request_id=tag, kind="sample", fn=lambda: {}, owner="A", batch_key=f"A|{weights}",
+                mix_key="A|m", payload=tag, batch_cost=1)
+
+        def open_decode():
+            opened.append(tag)
+            return _ManyDecoding(log, fail)
+        j.open_decode = open_decode
+        return j
+
+    try:
+        jobs = [job(f"r{i}", f"w{i}") for i in range(4)]
+        for j in jobs:
+            queue.put(j)
+        until = time.monotonic() + 20
+        while not all(j.status == "succeeded" for j in jobs):
+            assert time.monotonic() < until
+            time.sleep(0.01)
+        assert opened == ["r0"]
+        assert log[0] == ("add_many", ["r0", "r1", "r2", "r3"])
+        assert [entry[1] for entry in log[1:]] == ["r0", "r1", "r2", "r3"]  # added (alone, after a failure)
+        assert [j.result for j in jobs] == [{"tag": f"r{i}"} for i in range(4)]
+    finally:
+        queue.stop()
+        loop.close()
+
+
 def test_mixed_decoding_is_off_without_a_pool(tiny_model_dir):
     off = _host(tiny_model_dir, adapter_pool_bytes=0)
     snaps = _snapshots(off, ranks=(4, 4))

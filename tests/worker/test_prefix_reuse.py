@@ -360,7 +360,7 @@ def test_requests_admitted_together_prefill_once_and_get_their_solo_answers(tiny
     for together in (True, False):  # together first, on an empty prefix store
         session = SamplingSession(host, snapshot)
         calls = _counting_forward(monkeypatch)
-        handles = session.add_many(specs) if together else [session.add(s) for s in specs]
+        handles = session.add_many([(s, snapshot) for s in specs]) if together else [session.add(s) for s in specs]
         prefill_calls = list(calls)
         out: dict = {}
         _drain(session, out)
@@ -390,11 +390,11 @@ def test_a_group_whose_prefill_fails_leaves_the_running_batch_as_it_was(tiny_mod
     session.run(_steps(2))
     calls = _counting_forward(monkeypatch, fail_at=3)
     with pytest.raises(RuntimeError, match="injected"):
-        session.add_many(group)
+        session.add_many([(s, snapshot) for s in group])
     assert len(calls) == 3  # prefix, suffixes, then the other prefix's prefill fails
     monkeypatch.undo()
     assert session.batch.live_rows == first.num_samples and not session.batch._waiting
-    added = session.add_many(later)
+    added = session.add_many([(s, snapshot) for s in later])
     out: dict = {}
     _drain(session, out)
     assert set(out) == {kept, *added}
