@@ -42,11 +42,11 @@ def greedy_results(
 ) -> list[Any]:
     """One greedy completion per row: every request submitted, then each awaited (a SampleResponse per row).
 
-    The SamplingClient keeps `sampling_request_max_in_flight` of them running (16 by default) and the worker
-    decodes those as one batch, a request joining it as another ends; a problem's greedy tokens do not depend on
-    which others share its batch (tests/recipes/test_eval_batching.py). More in flight is slower on the local
-    worker, not faster: the evaluation is mostly prefill, one prompt at a time, and every request joining a
-    running batch copies its cache (docs/benchmarks.md, "Evaluation")."""
+    The SamplingClient keeps `sampling_request_max_in_flight` of them running (16 by default; the demos set 256)
+    and the worker prefills the requests that wait together as one group (what follows their shared few-shot
+    prefix) and decodes them as one batch, a request joining it as another ends; a problem's greedy tokens do not
+    depend on which others share its batch (tests/recipes/test_eval_batching.py, docs/benchmarks.md,
+    "Evaluation")."""
     params = _greedy_params(tokenizer, max_tokens)
     futures = [sampling_client.sample(prompt=p, num_samples=1, sampling_params=params)
                for p in _prompts(tokenizer, rows, fewshot, suffix)]
