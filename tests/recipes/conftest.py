@@ -74,8 +74,8 @@ def fake_service(monkeypatch, recipe_tokenizer):
     service = FakeService(recipe_tokenizer)
     monkeypatch.setattr(pytrio_compat, "ServiceClient", service.service_client_class(), raising=False)
 
-    def configure(**kwargs):
-        service.configure_kwargs = kwargs
+    def configure(**kwargs):  # every call's options, merged (a later call's win, as trio.configure's do)
+        service.configure_kwargs = {**(service.configure_kwargs or {}), **kwargs}
 
     monkeypatch.setattr(pytrio_compat, "configure", configure, raising=False)
     monkeypatch.syspath_prepend(str(RECIPES))
