@@ -397,6 +397,16 @@ class _MixingDecoding:
         return done
 
 
+def _run_all(queue, jobs, timeout: float = 20.0) -> None:
+    """Put the jobs on the queue and wait until every one has succeeded."""
+    for j in jobs:
+        queue.put(j)
+    until = time.monotonic() + timeout
+    while not all(j.status == "succeeded" for j in jobs):
+        assert time.monotonic() < until
+        time.sleep(0.01)
+
+
 def test_the_queue_joins_other_weights_by_mix_key_only():
     """Jobs of the session's mix key join it whatever their batch key; a job of another mix key (another
     tenant's, without --batch-across-tenants) opens its own batch."""
@@ -417,12 +427,7 @@ def test_the_queue_joins_other_weights_by_mix_key_only():
 
     try:
         jobs = [job("a1", "A", "w1", "A|m"), job("a2", "A", "w2", "A|m"), job("b1", "B", "w1", "B|m")]
-        for j in jobs:
-            queue.put(j)
-        until = time.monotonic() + 20
-        while not all(j.status == "succeeded" for j in jobs):
-            assert time.monotonic() < until
-            time.sleep(0.01)
+        _run_all(queue, jobs)
         assert opened == ["a1", "b1"]  # a2 (other weights, A's mix key) joined a1's batch
         assert [j.result for j in jobs] == [{"tag": "a1"}, {"tag": "a2"}, {"tag": "b1"}]
     finally:
@@ -507,12 +512,7 @@ def test_the_queue_opens_a_batch_with_every_queued_job_of_its_mix_key(fail):
 
     try:
         jobs = [job(f"r{i}", f"w{i}") for i in range(4)]
-        for j in jobs:
-            queue.put(j)
-        until = time.monotonic() + 20
-        while not all(j.status == "succeeded" for j in jobs):
-            assert time.monotonic() < until
-            time.sleep(0.01)
+        _run_all(queue, jobs)
         assert opened == ["r0"]
         assert log[0] == ("add_many", ["r0", "r1", "r2", "r3"])
         assert [entry[1] for entry in log[1:]] == ["r0", "r1", "r2", "r3"]  # added (alone, after a failure)
