@@ -78,6 +78,12 @@ class TrainingRun:
     pending_forward: int = 0  # forward ops accepted since the last optim_step / load_state (--max-pending-forward-ops)
     admitting: asyncio.Lock = field(default_factory=asyncio.Lock)  # ops from the network, one at a time
 
+    def count_op(self, kind: str) -> None:
+        """An op of ``kind`` taken: a forward op counts against --max-pending-forward-ops, a state op (optim_step,
+        load_state) starts the count again."""
+        self.pending_forward = self.pending_forward + 1 if kind in FORWARD_OPS else 0 if kind in STATE_OPS else \
+            self.pending_forward
+
 
 def run_damaged(training_run_id: str, reason: str) -> WorkerError:
     return WorkerError(410, "training_run_damaged",
@@ -220,13 +226,12 @@ class Runs:
         state_seq, state = loaded
         spec = LoraSpec.model_validate_json(row.spec)
         host = await self.models.host(row.base_model)
-        self.memory.take(row.run_id, row.tenant, await self.adapter_bytes(row.base_model, spec, row.tenant),
-                         f"a rank-{spec.rank} adapter on {row.base_model} (restored)")
+        await self.reserve(row.run_id, row.tenant, row.base_model, spec,
+                           f"a rank-{spec.rank} adapter on {row.base_model} (restored)")
         try:
             return await self._restore(row, ops, spec, host, state_seq, state)
         except BaseException:  # nothing of it stays held: the caller sets the row aside
-            self._runs.pop(row.run_id, None)
-            self.memory.give_back(row.run_id)
+            self.release(row.run_id)
             try:
                 host.drop_adapter(row.run_id)  # at start: nothing else runs on the model yet
             except Exception:  # noqa: BLE001 - it was never made
@@ -252,9 +257,8 @@ class Runs:
         run.last_seq = max(run.seqs, default=0)
         for op in ops:  # the forward ops since its last state op count against --max-pending-forward-ops again
             if op.seq > state_seq:
-                run.pending_forward = run.pending_forward + 1 if op.kind in FORWARD_OPS else \
-                    0 if op.kind in STATE_OPS else run.pending_forward
-        self._runs[run.run_id] = run
+                run.count_op(op.kind)
+        self.adopt(run)
         queue = self.models.queue(run.base_model)
         for op in ops:
             if op.seq <= state_seq:
@@ -292,7 +296,7 @@ class Runs:
                 continue
             job = self.requests.new_job(prepared.kind, prepared.work, run.tenant, request_id=op.request_id)
             job.encode = encoder_for(front_of(op.front, record))
-            job.on_result = self._recorder(run, op.seq, prepared.kind)
+            job.on_result = self.recorder(run, op.seq, prepared.kind)
             queue.put(job)
         return run
 
@@ -317,11 +321,24 @@ class Runs:
         """A run whose journal row was set aside at start: its owner is told so (410) instead of 'unknown'."""
         self.damaged[training_run_id] = (tenant, reason)
 
+    async def reserve(self, run_id: str, tenant: str, base_model: str, spec: LoraSpec, what: str) -> None:
+        """Holds the memory of an adapter of ``spec`` for a run made outside ``create`` (one restored from the
+        journal: the run quotas are not asked again), before its adapter is built; ``what``: how a refusal names it."""
+        self.memory.take(run_id, tenant, await self.adapter_bytes(base_model, spec, tenant), what)
+
+    def adopt(self, run: TrainingRun) -> None:
+        """A run made outside ``create``, its memory held (``reserve``), is live from now on."""
+        self._runs[run.run_id] = run
+
+    def release(self, run_id: str) -> None:
+        """The run is no longer live and its adapter's memory is given back (its adapter is the caller's to drop)."""
+        self._runs.pop(run_id, None)
+        self.memory.give_back(run_id)
+
     async def delete(self, training_run_id: str, tenant: str) -> None:
         run = self.get(training_run_id, tenant)
         host = self.models.loaded(run.base_model)
-        del self._runs[training_run_id]
-        self.memory.give_back(training_run_id)
+        self.release(training_run_id)
         if self.journal is not None:
             await asyncio.to_thread(self.journal.run_deleted, training_run_id)
         # in the tenant's lane, so it runs after the run's ops already queued there
@@ -429,17 +446,16 @@ class Runs:
                 self.requests.discard(job.request_id)
                 self.budgets.give_back(tenant, prepared.tokens)
                 raise storage_error(prepared.kind, exc) from exc
-            job.on_result = self._recorder(run, seq_id, prepared.kind)
+            job.on_result = self.recorder(run, seq_id, prepared.kind)
         run.last_seq = seq_id
-        run.pending_forward = run.pending_forward + 1 if forward else 0 if prepared.kind in STATE_OPS else \
-            run.pending_forward
+        run.count_op(prepared.kind)
         run.seqs[seq_id] = (job.request_id, body_hash)
         if len(run.seqs) > SEQS_REMEMBERED:
             run.seqs.pop(min(run.seqs))
         self.models.queue(run.base_model).put(job)
         return Admission(job.request_id, job)
 
-    def _recorder(self, run: TrainingRun, seq_id: int, kind: str) -> Callable:
+    def recorder(self, run: TrainingRun, seq_id: int, kind: str) -> Callable:
         """What records an op's result on the model's thread (with the run's new state after optim_step and
         load_state), before the op is marked finished."""
         host = self.models.loaded(run.base_model)
