@@ -49,7 +49,7 @@ class ForwardBatch:
 @dataclass
 class PreparedOp:
     """An op ready for the model's thread: ``work()`` computes its result; ``nbytes`` is what it holds; ``record``
-    is what the durable journal keeps to run it again after a restart (``Runs.from_record``); ``tokens`` are its
+    is what the durable journal keeps to run it again after a restart (service/restore.py); ``tokens`` are its
     datums' tokens (what it costs of its key's token budget)."""
 
     kind: str

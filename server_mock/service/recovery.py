@@ -2,13 +2,14 @@
 (service/journal.py) recorded, before it serves its first request.
 
 In order: files a crash left half written or unnamed are deleted; finished requests within their TTL answer polls
-again; in-memory sampler snapshots and samplers come back; each training run is rebuilt from its newest whole
-state file, the forward_backward ops acknowledged after it run again (their gradients were pending), and its ops
-not yet finished are queued again under their request ids, in seq_id order; sample requests in flight are queued
-again under theirs. A client polling a request it was given before the crash gets its answer; a client resending
-an op the crash kept it from seeing acknowledged gets the original request back (its seq_id and body hash are
-recorded), so the op runs once. Last, each front end's hook (``service.recovery_hooks``) rebuilds its own state
-(the Tinker protocol's sessions, models, seq_id gates and futures) from its records and the ops above.
+again; in-memory sampler snapshots and samplers come back; each training run is rebuilt (service/restore.py) from
+its newest whole state file, the forward_backward ops acknowledged after it run again (their gradients were
+pending), and its ops not yet finished are queued again under their request ids, in seq_id order; sample requests
+in flight are queued again under theirs. A client polling a request it was given before the crash gets its
+answer; a client resending an op the crash kept it from seeing acknowledged gets the original request back (its
+seq_id and body hash are recorded), so the op runs once. Last, each front end's hook (``service.recovery_hooks``)
+rebuilds its own state (the Tinker protocol's sessions, models, seq_id gates and futures) from its records and the
+ops above.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from server_mock.engine.queue import Job
 from server_mock.errors import WorkerError
 from server_mock.lora import Snapshot
 from server_mock.service.journal import DAMAGED_ROW, to_torch
+from server_mock.service.restore import restore_run
 
 logger = logging.getLogger("server_mock")
 
@@ -78,7 +80,7 @@ async def _recover(service, journal) -> dict[str, int]:
             logger.error("sampler %s not restored this time (kept in the journal): %s", sampler_id, _why(exc))
     for row in journal.runs():
         try:
-            run = await service.runs.restore(row, journal.ops(row.run_id))
+            run = await restore_run(service, row, journal.ops(row.run_id))
         except WorkerError as exc:  # its model is no longer served, or over a limit
             logger.error("run %s not restored: %s", row.run_id, exc.message)
             run = None

@@ -2,23 +2,25 @@
 
 A run belongs to one tenant; its ops go to the tenant's lane of the model queue (engine/queue.py), so they
 run in seq_id order while other tenants' requests interleave with them. A front end that orders a run's ops
-itself (Tinker's per-model gate) hands them over with ``seq_id=None``: next in order.
+itself (Tinker's per-model gate) hands them over with ``seq_id=None``: next in order. With ``--durability full``
+an op is recorded in the journal (service/journal.py) before it is queued, and its result before it is marked
+finished. The journal's runs come back at start through service/restore.py, which makes each live again with
+``reserve`` and ``adopt`` (or ``release`` when it fails) and queues its ops again with ``prepare`` and ``recorder``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pytrio_compat.wire import CreateTrainingRun, LoadOp, LoraSpec, OptimStepOp, SaveOp, WireImage
+from pytrio_compat.wire import CreateTrainingRun, LoadOp, LoraSpec, OptimStepOp, SaveOp
 from server_mock.config import Limits
 from server_mock.engine.queue import Job
 from server_mock.engine.requests import RequestStore, run_id
-from server_mock.errors import WorkerError, bad_request, not_found, raising, storage_error
+from server_mock.errors import WorkerError, bad_request, not_found, storage_error
 from server_mock.service.checkpoints import Checkpoints
 from server_mock.service.models import Models
 from server_mock.service.ops import ForwardBatch, PreparedOp, prepare_forward
@@ -26,11 +28,10 @@ from server_mock.lora import BYTES_PER_TRAINED_PARAM, adapter_parameters
 from server_mock.service.quotas import ByteBudget, check_queued
 from server_mock.service.rate_limits import TokenBudgets
 from server_mock.service.validation import check_adam
-from server_mock.service.journal import SEQS_REMEMBERED, STATE_OPS, Journal, OpRow, RunRow, to_torch
-from server_mock.storage import crash_points, records
+from server_mock.service.journal import SEQS_REMEMBERED, STATE_OPS, Journal
+from server_mock.storage import crash_points
 from server_mock.storage.checkpoints import check_name, parse_path
 
-logger = logging.getLogger("server_mock")
 RUN_ID_RE = re.compile(r"^run-[0-9a-f]{16,32}\Z")
 FORWARD_OPS = ("forward", "forward_backward")  # their payloads stay journaled until the run's state is saved
 
@@ -40,11 +41,6 @@ FORWARD_OPS = ("forward", "forward_backward")  # their payloads stay journaled u
 # left as it is), now and when the op is queued again after a restart (``register_front``).
 Encoder = Callable[[dict], dict]
 FRONTS: dict[str, Callable[[dict], Encoder | None]] = {}
-
-# Journals written before ``front`` described every encoded op named its encoder by its Python qualified name:
-# read as the answer that name stood for (a record in that form is still taken up).
-LEGACY_ENCODERS = {"server_mock.api.native.runs.encode_forward_result": {"protocol": "native", "answer": "forward"},
-                   "server_mock.api.tinker.answers.encode_forward": {"protocol": "tinker", "answer": "forward"}}
 
 
 def register_front(protocol: str, encoder_for: Callable[[dict], Encoder | None]) -> None:
@@ -56,13 +52,6 @@ def encoder_for(front: dict | None) -> Encoder | None:
     """The model-thread encoder an op's ``front`` describes (None: no front, or its protocol encodes nothing)."""
     encoder_of = FRONTS.get(front.get("protocol", "")) if front else None
     return encoder_of(front) if encoder_of is not None else None
-
-
-def front_of(front: dict | None, record: dict) -> dict | None:
-    """An op's ``front``, or (a journal of the earlier form) the one its record's encoder name stood for."""
-    if front is None and record.get("encode"):
-        return LEGACY_ENCODERS.get(record["encode"])
-    return front
 
 
 @dataclass
@@ -215,91 +204,6 @@ class Runs:
         self._runs[new_id] = run
         return run
 
-    async def restore(self, row: RunRow, ops: list[OpRow]) -> TrainingRun | None:
-        """A run recorded before a restart: its adapter from its newest whole state file, the forward_backward ops
-        acknowledged after that state run again (their gradients are pending), and the ops not yet finished queued
-        again under their request ids. None (logged) when no state file of it is whole."""
-        loaded = self.journal.read_state(row)
-        if loaded is None:
-            logger.error("run %s cannot be restored: none of its state files is whole", row.run_id)
-            return None
-        state_seq, state = loaded
-        spec = LoraSpec.model_validate_json(row.spec)
-        host = await self.models.host(row.base_model)
-        await self.reserve(row.run_id, row.tenant, row.base_model, spec,
-                           f"a rank-{spec.rank} adapter on {row.base_model} (restored)")
-        try:
-            return await self._restore(row, ops, spec, host, state_seq, state)
-        except BaseException:  # nothing of it stays held: the caller sets the row aside
-            self.release(row.run_id)
-            try:
-                host.drop_adapter(row.run_id)  # at start: nothing else runs on the model yet
-            except Exception:  # noqa: BLE001 - it was never made
-                pass
-            raise
-
-    async def _restore(self, row: RunRow, ops: list[OpRow], spec: LoraSpec, host, state_seq: int,
-                       state: dict) -> TrainingRun:
-        made: list = []
-
-        def build() -> dict:
-            adapter = host.create_adapter(row.run_id, spec)
-            host.load_adapter_weights(adapter, to_torch(state["weights"]))
-            host.load_optimizer_state(adapter, to_torch(state["optimizer"]))
-            adapter.version = int(state["version"]) + 1
-            made.append(adapter)
-            return {}
-
-        await self.models.run_on_model(row.base_model, "restore_training_run", build, row.tenant)
-        run = TrainingRun(row.run_id, row.tenant, row.base_model, spec, made[0],
-                          user_metadata=row.meta.get("user_metadata"))
-        run.seqs = {op.seq: (op.request_id, op.body_hash) for op in ops}
-        run.last_seq = max(run.seqs, default=0)
-        for op in ops:  # the forward ops since its last state op count against --max-pending-forward-ops again
-            if op.seq > state_seq:
-                run.count_op(op.kind)
-        self.adopt(run)
-        queue = self.models.queue(run.base_model)
-        for op in ops:
-            if op.seq <= state_seq:
-                continue
-            if op.payload is None and op.kind not in ("forward_backward", *STATE_OPS):
-                # an op that leaves the weights as they are and is not journaled to run again (an export)
-                if not op.done:
-                    self.requests.restore(op.request_id, run.tenant, op.kind, None, WorkerError(
-                        503, "interrupted", f"{op.kind}: the worker restarted while it ran; call it again"), 0.0)
-                continue
-            if op.payload is None:
-                logger.error("run %s: op %d has no payload to run again; the run continues from seq_id %d",
-                             run.run_id, op.seq, state_seq)
-                break
-            try:
-                record = records.unpack(op.payload)
-                kind = record["op"]
-            except Exception as exc:  # noqa: BLE001 - a damaged payload: the ops after it cannot run in order
-                logger.error("run %s: op %d's payload cannot be read (%s); the run continues from seq_id %d",
-                             run.run_id, op.seq, exc, state_seq)
-                break
-            if kind == "SaveOp" and not op.done:  # it may have been written before the crash: again
-                record["body"]["overwrite"] = True
-            try:
-                prepared = self.from_record(run, record)
-            except WorkerError as exc:  # e.g. a checkpoint to load that is gone now
-                prepared = PreparedOp(op.kind, raising(exc))
-            except Exception as exc:  # noqa: BLE001 - a record that no longer validates: its poll gets why
-                prepared = PreparedOp(op.kind, raising(WorkerError(
-                    500, "journal_damaged", f"{op.kind}: its journal record could not be read after a restart "
-                                            f"({type(exc).__name__}); call it again")))
-            if op.done:  # its result is recorded: run it again only for the state it leaves
-                if op.kind in ("forward_backward", *STATE_OPS):
-                    queue.put(Job(f"replay-{op.request_id}", op.kind, prepared.work, owner=run.tenant))
-                continue
-            job = self.requests.new_job(prepared.kind, prepared.work, run.tenant, request_id=op.request_id)
-            job.encode = encoder_for(front_of(op.front, record))
-            job.on_result = self.recorder(run, op.seq, prepared.kind)
-            queue.put(job)
-        return run
-
     def live(self) -> list[TrainingRun]:
         """Every live run (the operator's console)."""
         return list(self._runs.values())
@@ -374,19 +278,6 @@ class Runs:
             return PreparedOp("load_state", lambda: self.checkpoints.load(run, host, ref, op.load_optimizer),
                               record=record)
         raise bad_request("payload.op", "unknown operation")
-
-    def from_record(self, run: TrainingRun, record: dict) -> PreparedOp:
-        """An op accepted before a restart, made ready again from what the journal kept (``PreparedOp.record``)."""
-        kind = record["op"]
-        if kind == "forward":
-            images = record.get("images")
-            if images is not None:
-                images = [None if chunks is None else [WireImage.model_validate(c) for c in chunks]
-                          for chunks in images]
-            return self.prepare(run, ForwardBatch(record["loss_fn"], record["data"], record["backward"],
-                                                  record["loss_fn_config"], record["loss_scale"], images))
-        model = {"OptimStepOp": OptimStepOp, "SaveOp": SaveOp, "LoadOp": LoadOp}[kind]
-        return self.prepare(run, model.model_validate(record["body"]))
 
     def export_op(self, training_run_id: str, tenant: str, name: str, ttl_seconds: int | None, layout,
                   recipients: list) -> PreparedOp:

@@ -108,17 +108,17 @@ def test_a_database_damaged_as_a_whole_is_refused_with_what_to_do(tmp_path):
 
 
 def test_a_failure_that_is_not_the_rows_leaves_the_row_for_the_next_start(tiny_model_dir, tmp_path, monkeypatch):
-    from server_mock.service.runs import Runs
+    from server_mock.service import restore
 
     storage = tmp_path / "storage"
     with worker(tiny_model_dir, storage) as (base, _app), client(base, KEY_A) as a:
         run = native_run(a)
 
-    async def fails(self, *args):
+    async def fails(*args):
         raise RuntimeError("the device ran out of memory")
 
     with monkeypatch.context() as patch:
-        patch.setattr(Runs, "_restore", fails)
+        patch.setattr(restore, "_rebuild", fails)
         with worker(tiny_model_dir, storage) as (base, app), client(base, KEY_A) as a:
             assert app.state.recovered["quarantined"] == 0
             assert a.get(f"/v1/training_runs/{run}").status_code == 404

@@ -17,7 +17,9 @@ import pytrio_compat as trio
 from pytrio_compat.types.tensor import WireTensor
 from server_mock.api.native import runs as native_runs
 from server_mock.api.tinker import answers as tinker_answers
+from server_mock.service import restore as service_restore
 from server_mock.service import runs as service_runs
+from server_mock.service.journal import Journal
 from server_mock.service.worker import WorkerService
 
 from .reliability_helpers import datum, serving
@@ -46,14 +48,14 @@ def test_a_pending_forward_op_answers_after_a_restart(tiny_model_dir, tmp_path, 
     storage = tmp_path / "storage"
     if form == "earlier_form":  # the op is journaled as before: no front, its encoder named by its qualified name
         legacy = "server_mock.api.native.runs.encode_forward_result"
-        original = service_runs.Journal.op_accepted
+        original = Journal.op_accepted
 
         def old_writer(self, run_id, seq, request_id, kind, body_hash, record, front, room=None):
             if front is not None and front.get("protocol") == "native":
                 record, front = {**record, "encode": legacy}, None
             return original(self, run_id, seq, request_id, kind, body_hash, record, front, room)
 
-        monkeypatch.setattr(service_runs.Journal, "op_accepted", old_writer)
+        monkeypatch.setattr(Journal, "op_accepted", old_writer)
     first = WorkerService({"tiny": str(tiny_model_dir)}, storage, "cpu", torch.float32)
     with serving(first, [KEY]) as url:
         client = trio.ServiceClient(api_key=KEY, base_url=url)
@@ -94,9 +96,9 @@ def test_a_front_of_an_unknown_protocol_or_kind_encodes_nothing():
     assert service_runs.encoder_for({"protocol": "elsewhere", "answer": "forward"}) is None
     assert service_runs.encoder_for({"protocol": "native", "answer": "optim"}) is None
     assert service_runs.encoder_for({"protocol": "tinker", "answer": "forward"}) is tinker_answers.encode_forward
-    assert service_runs.front_of(None, {"encode": "server_mock.api.tinker.answers.encode_forward"}) == \
+    assert service_restore.front_of(None, {"encode": "server_mock.api.tinker.answers.encode_forward"}) == \
         {"protocol": "tinker", "answer": "forward"}
-    assert service_runs.front_of(None, {"encode": "some.other.function"}) is None
+    assert service_restore.front_of(None, {"encode": "some.other.function"}) is None
 
 
 def files_naming_modules(storage: Path) -> list[str]:

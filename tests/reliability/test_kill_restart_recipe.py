@@ -199,7 +199,7 @@ def assert_same_run(result: dict, expected: dict, context: str) -> None:
     assert result["state"].keys() == expected["state"].keys(), context
     assert result["state"] == expected["state"], context
     # (the run's ``version``, a counter of weight changes that signed download URLs name, is left out: a restore
-    # bumps it on purpose, service/runs.py)
+    # bumps it on purpose, service/restore.py)
     assert result["state_seq"] == expected["state_seq"], context
 
 
