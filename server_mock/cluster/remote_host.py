@@ -58,11 +58,6 @@ class ReplicaQueue(ModelQueue):
         for thread in self._more:
             thread.start()
 
-    def stop(self) -> None:
-        with self._cond:
-            self._stopped = True
-            self._cond.notify_all()
-
 
 def _meta_model(source: str):
     """The model's modules without weights (on the meta device), its tokenizer and resolved source."""

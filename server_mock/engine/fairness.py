@@ -1,4 +1,4 @@
-"""Which tenant's job a model queue takes next: the policy object the queue (engine/queue.py) asks at every turn.
+"""Which tenant's job a model queue takes next: the policy object its backlog (engine/backlog.py) asks at every turn.
 
 ``FairShare`` is the virtual token counter of "Fairness in Serving Large Language Models" (Sheng et al., OSDI'24):
 one counter per tenant (API key) of the cost the model served it, divided by the tenant's weight; the next turn
@@ -15,7 +15,7 @@ the worker's CPU (docs/operations.md, "Fair scheduling"; ``benchmarks/fairness.p
 relative to one prefill token. ``RoundRobin`` keeps the same books but takes tenants strictly in turn (the order before
 costs were counted; the benchmark's baseline).
 
-Everything here is called by the queue under its lock, on its thread or the event loop's; nothing here blocks.
+Everything here is called under the backlog's lock, on the model's thread or the event loop's; nothing here blocks.
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ class FairShare:
         return cost
 
     def copy(self) -> FairShare:
-        """The same books, to simulate the order of the queued jobs (``ModelQueue.position``)."""
+        """The same books, to simulate the order of the queued jobs (``Backlog.position``)."""
         other = type(self)(self.prices, self.weights)
         other.counters, other.served, other._last_left = dict(self.counters), dict(self.served), self._last_left
         other.requests = dict(self.requests)

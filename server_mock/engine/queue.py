@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator, Protocol
 
 import torch
 
+from server_mock.engine.backlog import Backlog
 from server_mock.engine.fairness import FairShare
 from server_mock.errors import WorkerError, storage_error
 
@@ -146,9 +147,10 @@ class _Session:
 class ModelQueue:
     """The jobs for one base model, drained by one thread, tenants served in turn.
 
-    Each tenant (job owner) has a FIFO lane; the thread takes one job from each waiting lane in turn,
-    so a tenant with many queued requests delays another tenant's request by at most the one job that
-    is running when it arrives. A run belongs to one tenant, so its ops keep their seq_id order.
+    The jobs wait in a ``Backlog`` (engine/backlog.py): each tenant (job owner) has a FIFO lane; the thread takes
+    one job from each waiting lane in turn, so a tenant with many queued requests delays another tenant's request
+    by at most the one job that is running when it arrives. A run belongs to one tenant, so its ops keep their
+    seq_id order.
 
     Sampling jobs for the same weights are coalesced: when one is taken, every queued job with its
     batch_key joins it (up to a token budget) and they decode as one batch. This is safe to reorder
@@ -166,10 +168,10 @@ class ModelQueue:
     micro-batches) runs the same way: for ``slice_seconds`` at a time when other owners wait, resumed at its
     owner's next turn. Its result is that of running it in one go, bit for bit: nothing else touches its run.
 
-    Whose turn it is, of the owners with work, is the ``policy``'s choice (engine/fairness.py): by default the
-    owner served the least cost (weighted), ties to the one that waited longest; the queue charges it the cost
-    of what it runs (forward tokens when a forward op or part of one runs, decode tokens step by step, a
-    sample's exact prompt and output tokens when it ends).
+    Whose turn it is, of the owners with work, is the ``policy``'s choice (engine/fairness.py), which the backlog
+    asks: by default the owner served the least cost (weighted), ties to the one that waited longest; the queue
+    charges it the cost of what it runs (forward tokens when a forward op or part of one runs, decode tokens step
+    by step, a sample's exact prompt and output tokens when it ends).
     """
 
     def __init__(self, name: str, loop: asyncio.AbstractEventLoop, batch_token_budget: int = 65536,
@@ -177,7 +179,7 @@ class ModelQueue:
                  observer: QueueObserver | None = None, policy: FairShare | None = None) -> None:
         self.name = name
         self.observer = observer or _Unobserved()
-        self.policy = policy or FairShare()
+        self._backlog: Backlog[Job] = Backlog(policy)
         self.loop = loop
         self.batch_token_budget = batch_token_budget
         # a short wait lets requests sent together arrive together; skipped while other owners have work (the
@@ -185,162 +187,55 @@ class ModelQueue:
         self.batch_window = batch_window
         self.slice_seconds = slice_seconds
         self.slice_jobs = True  # False: a job that could run in slices runs in one go (``Job.fn``)
-        self._lanes: collections.OrderedDict[str, collections.deque[Job]] = collections.OrderedDict()
-        self._served: str | None = None  # the lane served last: it rejoins the rotation behind new arrivals
-        self._sessions: dict[str, _Session] = {}  # by owner: a decode batch to resume at the owner's turn
-        self._stepping: dict[str, _Steps] = {}  # by owner: a job running in slices, to resume at its turn
-        self._keys_queued: collections.Counter[str] = collections.Counter()  # queued jobs by batch key
-        self._mix_queued: collections.Counter[str] = collections.Counter()  # queued jobs by mix key
-        self._cond = threading.Condition()
-        self._stopped = False
         self._thread = threading.Thread(target=self._run, name=f"model-{name}", daemon=True)
         self._thread.start()
 
+    @property
+    def policy(self) -> FairShare:
+        """Whose turn it is (engine/fairness.py): the backlog's policy, which may be replaced."""
+        return self._backlog.policy
+
+    @policy.setter
+    def policy(self, policy: FairShare) -> None:
+        self._backlog.policy = policy
+
     def put(self, job: Job) -> None:
-        with self._cond:
-            if not self._ready(job.owner):  # newly backlogged: no credit for the time it was idle
-                self.policy.activate(job.owner, [o for o in self._lanes if self._ready(o)])
-            lane = self._lanes.get(job.owner)
-            if lane is None:
-                lane = self._lanes[job.owner] = collections.deque()
-            lane.append(job)
-            if job.batch_key is not None:
-                self._keys_queued[job.batch_key] += 1
-            if job.mix_key is not None:
-                self._mix_queued[job.mix_key] += 1
-            self._cond.notify()
+        self._backlog.put(job)
 
     def position(self, request_id: str) -> int | None:
-        """How many queued jobs will be taken before this one, None if not queued: the policy's turns played
-        forward on a copy of its books, each job charged what it is expected to cost. A session waiting for its
-        owner's turn (a decode batch, a job running in slices) counts as one job ahead of the owner's lane."""
-        with self._cond:
-            lanes = {owner: collections.deque(([None] if self._held(owner) else []) + list(lane))
-                     for owner, lane in self._rotation()}
-            if not any(job is not None and job.request_id == request_id for lane in lanes.values() for job in lane):
-                return None
-            policy, rotation, taken = self.policy.copy(), list(lanes), 0
-            while True:
-                owner = policy.pick([o for o in rotation if lanes[o]])
-                job = lanes[owner].popleft()
-                if job is not None and job.request_id == request_id:
-                    return taken
-                taken += 1
-                if job is not None:
-                    policy.charge(owner, self._expected_cost(job))
-                rotation.remove(owner)
-                rotation.append(owner)
-
-    def _expected_cost(self, job: Job) -> float:
-        """What a queued job should cost: a forward op its datum tokens; a sample its reservation, as decode;
-        either, its request's fixed price."""
-        prices = self.policy.prices
-        if job.kind == "sample":
-            return prices.of_request(job.kind) + prices.of_sample(0, job.tokens or job.batch_cost)
-        return prices.of_request(job.kind) + prices.of_forward(job.kind, job.tokens)
+        """How many queued jobs will be taken before this one, None if not queued (``Backlog.position``)."""
+        return self._backlog.position(request_id)
 
     def fairness(self) -> dict[str, dict[str, float]]:
         """The policy's books per owner (counter, served cost, weight): the metrics and the operator's view."""
-        with self._cond:
-            return self.policy.books()
+        return self._backlog.books()
 
     def depth(self) -> int:
-        with self._cond:
-            return sum(len(lane) for lane in self._lanes.values())
+        return self._backlog.depth()
 
     def waiting(self) -> collections.Counter[tuple[str, str]]:
         """Queued jobs by (owner, kind), for the operator's queue-depth gauge."""
-        with self._cond:
-            return collections.Counter((job.owner, job.kind) for lane in self._lanes.values() for job in lane)
+        return self._backlog.waiting()
 
     def stop(self) -> None:
-        with self._cond:
-            self._stopped = True
-            self._cond.notify()
-
-    def _held(self, owner: str) -> bool:
-        """Whether the owner has work in progress to resume at its turn (a decode batch, a sliced job)."""
-        return owner in self._sessions or owner in self._stepping
-
-    def _others_wait(self, owner: str) -> bool:
-        """Whether an owner other than ``owner`` has work waiting for a turn."""
-        with self._cond:
-            return any(other != owner and self._ready(other) for other in self._lanes)
-
-    def _ready(self, owner: str) -> bool:
-        return self._held(owner) or bool(self._lanes.get(owner))
-
-    def _drop_lane(self, owner: str) -> None:
-        """The owner has nothing left (no queued job, nothing in progress): its backlog ends."""
-        del self._lanes[owner]
-        self.policy.deactivate(owner)
+        self._backlog.stop()
 
     def _charge(self, job: Job, cost: float) -> None:
         if cost:
-            with self._cond:
-                self.policy.charge(job.owner, cost)
+            self._backlog.charge(job.owner, cost)
             job.charged += cost
-
-    def _rotation(self) -> list[tuple[str, collections.deque[Job]]]:
-        """The owners with work, in the order they will be served (the last-served one last). An owner with a
-        decode session keeps its place in the rotation even while its lane is empty."""
-        order = [(owner, lane) for owner, lane in self._lanes.items() if owner != self._served and self._ready(owner)]
-        if self._served is not None and self._ready(self._served):
-            order.append((self._served, self._lanes[self._served]))
-        return order
-
-    def _pop(self, owner: str, job: Job) -> None:
-        lane = self._lanes[owner]
-        lane.remove(job)
-        if not lane and not self._held(owner):
-            self._drop_lane(owner)
-        if job.batch_key is not None:
-            self._keys_queued[job.batch_key] -= 1
-        if job.mix_key is not None:
-            self._mix_queued[job.mix_key] -= 1
-
-    def _next_turn(self) -> tuple[str, Job | None] | None:
-        """The next owner's turn: its session to resume (job None) or its lane's next job (taken off)."""
-        with self._cond:
-            while not self._stopped and not self._lanes:
-                self._cond.wait()
-            if self._stopped:
-                return None
-            if self._served in self._lanes:
-                self._lanes.move_to_end(self._served)  # behind every lane that waited meanwhile
-            owner = self.policy.pick([owner for owner in self._lanes if self._ready(owner)])
-            self._served = owner
-            if self._held(owner):
-                return owner, None
-            head = self._lanes[owner][0]
-            self._pop(owner, head)
-            return owner, head
-
-    def _joiners(self, key: str, budget: int, session: _Session | None = None) -> list[Job]:
-        """Take every queued job with batch key ``key`` (or that ``session`` takes) that fits ``budget`` (lane
-        order, then job order)."""
-        group = []
-        with self._cond:
-            for owner in list(self._lanes):
-                for job in list(self._lanes[owner]):
-                    fits = job.batch_key == key if session is None else session.takes(job)
-                    if fits and job.batch_cost <= budget:
-                        group.append(job)
-                        budget -= job.batch_cost
-                        self._pop(owner, job)
-        return group
 
     def _run(self) -> None:
         while True:
-            turn = self._next_turn()
+            turn = self._backlog.next_turn()
             if turn is None:
                 return
-            owner, head = turn
-            if head is None:
-                if owner in self._stepping:
-                    self._step(self._stepping[owner])
+            owner, head, resumed = turn
+            if resumed is not None:
+                if isinstance(resumed, _Steps):
+                    self._step(resumed)
                 else:
-                    self._slice(self._sessions[owner])
+                    self._slice(resumed)
                 continue
             if head.open_steps is not None and self.slice_jobs:
                 self._begin_steps(owner, head)
@@ -354,9 +249,10 @@ class ModelQueue:
                 self._add(running, head)
                 self._slice(running)
                 continue
-            if self.batch_window > 0 and not self._others_wait(owner):
+            if self.batch_window > 0 and not self._backlog.others_wait(owner):
                 time.sleep(self.batch_window)
-            group = [head] + self._joiners(head.batch_key, self.batch_token_budget - head.batch_cost)
+            group = [head] + self._backlog.take(lambda job, key=head.batch_key: job.batch_key == key,
+                                                self.batch_token_budget - head.batch_cost)
             decoding = None
             if head.open_decode is not None:
                 try:
@@ -373,22 +269,17 @@ class ModelQueue:
                 continue
             session = _Session(owner, head.batch_key, decoding,
                                mix=head.mix_key if getattr(decoding, "mixes", False) else None)
-            with self._cond:
-                self._sessions[owner] = session
-                self._lanes.setdefault(owner, collections.deque())
+            self._backlog.hold(owner, session)
             if session.mix is not None:  # queued jobs of other weights of its mix key start with it
-                group += self._joiners(head.batch_key, self.batch_token_budget - sum(j.batch_cost for j in group),
-                                       session)
+                group += self._backlog.take(session.takes, self.batch_token_budget - sum(j.batch_cost for j in group))
             self._add_all(session, group)
             self._slice(session)
 
     def _running_for(self, job: Job) -> _Session | None:
         """A decode session for the job's weights that can take it now (within the token budget)."""
-        with self._cond:
-            sessions = list(self._sessions.values())
-        for session in sessions:
-            if (session.takes(job) and session.cost + job.batch_cost <= self.batch_token_budget
-                    and session.decoding.can_add()):
+        for session in self._backlog.in_progress():
+            if (isinstance(session, _Session) and session.takes(job)
+                    and session.cost + job.batch_cost <= self.batch_token_budget and session.decoding.can_add()):
                 return session
         return None
 
@@ -397,8 +288,7 @@ class ModelQueue:
         now = time.monotonic()
         for job in jobs:
             job.status, job.started = "running", now
-            with self._cond:
-                job.charged += self.policy.began(job.owner, job.kind)
+            job.charged += self._backlog.began(job.owner, job.kind)
         self.observer.started(jobs)
 
     def _encoded(self, job: Job, result: dict) -> dict:
@@ -470,9 +360,7 @@ class ModelQueue:
         seen = 0  # queued jobs for these weights that did not fit at the last admission
 
         def queued() -> int:
-            if session.mix is not None:
-                return self._mix_queued.get(session.mix, 0)
-            return self._keys_queued.get(session.key, 0)
+            return self._backlog.queued(session.key, session.mix)
 
         def arrivals() -> bool:
             return queued() > seen and session.decoding.can_add()
@@ -496,7 +384,7 @@ class ModelQueue:
 
         while True:
             if arrivals():
-                self._add_all(session, self._joiners(session.key, self.batch_token_budget - session.cost, session))
+                self._add_all(session, self._backlog.take(session.takes, self.batch_token_budget - session.cost))
             seen = queued()
             self.observer.batch(list(session.jobs.values()))
             stepped = False
@@ -505,7 +393,7 @@ class ModelQueue:
             except Exception as exc:  # noqa: BLE001 - the batch is unusable: each of its jobs runs again alone
                 logger.warning("decode batch failed (%s: %s); running its %d jobs one by one", type(exc).__name__,
                                exc, len(session.jobs))
-                self._close(session)
+                self._backlog.release(session.owner, session)
                 for job in session.jobs.values():
                     self._execute(job)
                 return
@@ -518,19 +406,12 @@ class ModelQueue:
                 session.cost -= job.batch_cost
                 self._finish(job, result=self._encoded(job, result))
             if not session.decoding.active:
-                self._close(session)
+                self._backlog.release(session.owner, session)
                 for job in session.jobs.values():  # pragma: no cover - a finished batch has no open job
                     self._fail(job, RuntimeError("the decode batch ended without this request's result"))
                 return
             if not arrivals() and turn_over():  # a job that arrived for these weights joins first
                 return
-
-    def _close(self, session: _Session) -> None:
-        with self._cond:
-            if self._sessions.get(session.owner) is session:
-                del self._sessions[session.owner]
-                if not self._lanes.get(session.owner, True):
-                    self._drop_lane(session.owner)
 
     def _turn_over(self, owner: str, started: float) -> bool:
         """Whether a slice that began at ``started`` yields now: when another owner has work (or the queue is
@@ -540,11 +421,7 @@ class ModelQueue:
         ran = time.monotonic() - started
         if ran < min(self.slice_seconds, MIN_TURN_SECONDS):
             return False
-        with self._cond:
-            waiting = [o for o in self._lanes if o != owner and self._ready(o)]
-            if self._stopped:
-                return True
-            return bool(waiting) and (ran >= self.slice_seconds or self.policy.yields(owner, waiting))
+        return self._backlog.should_yield(owner, ran >= self.slice_seconds)
 
     # --- jobs in slices -----------------------------------------------------------------------------------
 
@@ -556,9 +433,7 @@ class ModelQueue:
             self._fail(job, exc)
             return
         session = _Steps(owner, job, steps)
-        with self._cond:
-            self._stepping[owner] = session
-            self._lanes.setdefault(owner, collections.deque())
+        self._backlog.hold(owner, session)
         self._step(session)
 
     def _step(self, session: _Steps) -> None:
@@ -570,22 +445,16 @@ class ModelQueue:
                 tokens = next(session.steps)
             except StopIteration as end:
                 result = end.value
-                self._end_steps(session)
+                self._backlog.release(session.owner, session)
                 self._execute(job, lambda result=result: result)
                 return
             except Exception as exc:  # noqa: BLE001 - the error goes back to this request only
-                self._end_steps(session)
+                self._backlog.release(session.owner, session)
                 self._fail(job, exc)
                 return
             self._charge(job, self.policy.prices.of_forward(job.kind, tokens))
             if self._turn_over(session.owner, started):
                 return
-
-    def _end_steps(self, session: _Steps) -> None:
-        with self._cond:
-            del self._stepping[session.owner]
-            if not self._lanes.get(session.owner, True) and not self._held(session.owner):
-                self._drop_lane(session.owner)
 
     def _execute(self, job: Job, work: Callable[[], dict] | None = None) -> None:
         if work is None:
