@@ -122,9 +122,6 @@ class ClientSessions(Generic[S]):
     def get(self, session_id: str, default: S | None = None) -> S | None:
         return self._open.get(session_id, default)
 
-    def pop(self, session_id: str, default: S | None = None) -> S | None:
-        return self._open.pop(session_id, default)
-
     def __setitem__(self, session_id: str, session: S) -> None:
         self._open[session_id] = session
 
