@@ -92,7 +92,9 @@ def test_answers_tokens_and_samples_are_the_same_after_a_kill(tiny_model_dir, mo
         assert run.poll(fb_id) == done_fb  # the old token works until its own expiry
         run.token = renewed
         assert run.poll(fb_id) == done_fb
-        assert client.control("GET", f"/service-sessions/{session.cuid}").status_code == 200
+        held = client.control("GET", f"/service-sessions/{session.cuid}")
+        assert held.status_code == 200 and held.json()["training_run_cuids"] == [run.cuid]  # still the session's
+        assert held.json()["sampling_run_cuids"][0] == sampler["sampling_run_cuid"]
         assert client.control("POST", f"/service-sessions/{session.cuid}/close", json={"status": "ENDED"}
                               ).status_code == 204
         deadline = time.monotonic() + 10

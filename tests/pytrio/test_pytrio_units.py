@@ -301,7 +301,7 @@ class _FakeService:
 
 
 def test_what_expires_is_released_and_nothing_else():
-    from server_mock.api.pytrio.state import PytrioState, SamplingRun, TrainingRun
+    from server_mock.api.pytrio.state import TEMPORARY_WEIGHTS, PytrioState, SamplingRun, TrainingRun
     from server_mock.config import PytrioOptions
     from pytrio_compat.wire import LoraSpec
 
@@ -320,6 +320,7 @@ def test_what_expires_is_released_and_nothing_else():
     state.sampling_run("sr_1", "t")  # used: sr_2 is now the least recently used
     sampling("sr_3")  # one past the per-key count
     assert service.dropped == ["s-sr_2"] and set(state.sampling["t"]) == {"sr_1", "sr_3"}
+    assert state.sampling_cuids(session) == ["sr_1", "sr_3"]  # the one let go is no longer the session's
     run = state.add_training(TrainingRun("run-1", "t", session.cuid, 1, "tiny", "/m", LoraSpec(rank=8), "", False,
                                          now[0], now[0], init="ready"), session)
     service.snapshot_paths.add("trio://run-1/sampler/temp")
@@ -327,6 +328,7 @@ def test_what_expires_is_released_and_nothing_else():
     now[0] = 50.0
     asyncio.run(state.sweep())  # the temporary weights' TTL
     assert "trio://run-1/sampler/temp" not in service.snapshot_paths and not state.temporary
+    assert not state.sessions.leases(session.cuid, TEMPORARY_WEIGHTS)
     state.sampling_run("sr_3", "t")
     now[0] = 100.5
     asyncio.run(state.sweep())  # sr_1 idle 100.5 s > 100; sr_3 used at 50
@@ -344,6 +346,32 @@ def test_what_expires_is_released_and_nothing_else():
     now[0] = 1000.5
     asyncio.run(state.sweep())  # the session, idle past its TTL, closes with what is left
     assert session.cuid not in state.sessions and "t" not in state.sampling and service.dropped[-1] == "s-sr_3"
+
+
+def test_closing_a_session_releases_what_it_leased_and_nothing_of_another():
+    from server_mock.api.pytrio.state import TEMPORARY_WEIGHTS, PytrioState, SamplingRun, TrainingRun
+    from server_mock.config import PytrioOptions
+    from pytrio_compat.wire import LoraSpec
+
+    service = _FakeService()
+    state = PytrioState(service, PytrioOptions(), clock=lambda: 0.0)
+    one, two = state.new_session("t", "0.2.9"), state.new_session("t", "0.2.9")
+    for session, n in ((one, 1), (two, 2)):
+        state.add_training(TrainingRun(f"run-{n}", "t", session.cuid, 1, "tiny", "/m", LoraSpec(rank=8), "", False,
+                                       0.0, 0.0, init="ready"), session)
+        state.add_sampling(SamplingRun(f"sr_{n}", "t", session.cuid, 1, "tiny", "/m", "", f"s-sr_{n}", 0.0, 0.0),
+                           session)
+        service.snapshot_paths.add(f"trio://run-{n}/sampler/temp")
+        state.keep_temporary(f"trio://run-{n}/sampler/temp", "t", session.cuid, ttl=50)
+    assert state.training_cuids(one) == ["run-1"] and state.sampling_cuids(two) == ["sr_2"]
+    asyncio.run(state.close_session(one, "ENDED"))
+    assert service.deleted == ["run-1"] and service.dropped == ["s-sr_1"]
+    assert service.snapshot_paths == {"trio://run-2/sampler/temp"} and list(state.temporary) == [
+        "trio://run-2/sampler/temp"]
+    assert list(state.training) == ["run-2"] and list(state.sampling["t"]) == ["sr_2"]
+    assert state.training_cuids(one) == [] and not state.sessions.leases(one.cuid, TEMPORARY_WEIGHTS)
+    assert state.training_cuids(two) == ["run-2"] and state.sampling_cuids(two) == ["sr_2"]
+    assert list(state.sessions.leases(two.cuid, TEMPORARY_WEIGHTS)) == ["trio://run-2/sampler/temp"]
 
 
 def test_finished_answers_are_kept_within_count_bytes_and_time():

@@ -86,6 +86,14 @@ def test_futures_gates_sampling_sessions_and_resends_survive_a_kill(restartable)
     lost = raw.post("/retrieve_future", json={"request_id": lost_id})
     assert lost.status_code == 410 and lost.json()["code"] == "request_lost_in_restart"
     assert raw.post("/retrieve_future", json={"request_id": "tk-nope"}).status_code == 404
+    # what the session held is its own again: listed, and released when it finishes (its model's run is deleted)
+    held = raw.http.get(raw.base + f"/sessions/{session}").json()
+    assert held["sampler_ids"] == [sampler] and len(held["training_run_ids"]) == 1
+    run_id = held["training_run_ids"][0]
+    assert raw.http.get(raw.base + f"/training_runs/{run_id}").status_code == 200
+    assert raw.post(f"/sessions/{session}/finish", json={}).status_code == 200
+    assert raw.post("/get_info", json={"model_id": model}).status_code == 404
+    assert raw.http.get(raw.base + f"/training_runs/{run_id}").status_code == 404
     raw.close()
 
 

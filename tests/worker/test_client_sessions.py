@@ -1,5 +1,7 @@
 """service/sessions.py: the per-key cap at the limit and one past it, the tenant-checked lookup, idleness by the
-clock at the TTL and one past it, and a failed record that adds nothing."""
+clock at the TTL and one past it, a failed record that adds nothing, and the leases: what a session holds after
+leases and releases, what closing it hands back (exactly that, and then nothing more), and that holding leases
+does not let another key look the session up."""
 
 from __future__ import annotations
 
@@ -76,3 +78,41 @@ def test_idle_past_the_ttl_by_the_clock():
     clock.now = 110.001
     assert open_.idle() == [lease]
     assert open_.idle(now=105.0) == []
+
+
+def test_leases_released_and_what_closing_hands_back():
+    open_ = sessions(Clock())
+    open_.open("a1", Lease("A", 1, 1))
+    open_.open("b1", Lease("B", 2, 2))
+    for run in ("r1", "r2", "r3"):
+        assert open_.lease("a1", "training", run)
+    assert open_.lease("a1", "creation", "a1:train:0", "req-0")
+    assert open_.lease("b1", "training", "r9")
+    assert open_.release("a1", "training", "r2") and not open_.release("a1", "training", "r2")
+    assert not open_.release("a1", "training", "r9")  # b1's, not a1's
+    assert open_.lease("a1", "training", "r1", "again")  # leased again: its value changes, its place stays
+    assert list(open_.leases("a1", "training").items()) == [("r1", "again"), ("r3", None)]
+    assert open_.leases("a1", "creation")["a1:train:0"] == "req-0" and not open_.leases("a1", "sampler")
+    assert open_.holder("training", "r3") == "a1" and open_.holder("training", "r9") == "b1"
+    assert open_.holder("training", "r2") is None
+
+    closed = open_.close("a1")
+    assert closed == {"training": {"r1": "again", "r3": None}, "creation": {"a1:train:0": "req-0"}}
+    assert list(closed["training"]) == ["r1", "r3"]
+    assert "a1" not in open_ and not open_.leases("a1", "training") and open_.holder("training", "r1") is None
+    assert not open_.lease("a1", "training", "r4")  # a closed session leases nothing more
+    assert not open_.release("a1", "training", "r3") and open_.close("a1") == {}
+    assert list(open_.leases("b1", "training")) == ["r9"] and open_.holder("training", "r9") == "b1"
+    assert open_.close("nope") == {}
+
+
+def test_leases_do_not_let_another_key_look_the_session_up():
+    clock = Clock()
+    open_ = sessions(clock)
+    lease = open_.open("b1", Lease("B", 100.0, 100.0))
+    open_.lease("b1", "sampler", "s1")
+    clock.now = 105.0
+    with pytest.raises(WorkerError) as missing:
+        open_.lookup("b1", "A")
+    assert missing.value.status == 404 and lease.last_seen == 100.0  # not marked seen by the other key
+    assert open_.lookup("b1", "B") is lease and list(open_.leases("b1", "sampler")) == ["s1"]

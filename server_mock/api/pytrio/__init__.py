@@ -106,8 +106,7 @@ class PytrioProtocol:
         session = self.state.sessions.get(session_cuid)
         if session is None:
             return None
-        sampling = self.state.sampling.get(session.tenant, {})
-        return [*session.training, *(sampling[c].sampler_id for c in session.sampling if c in sampling)]
+        return [*self.state.training_cuids(session), *(run.sampler_id for run in self.state.sampling_of(session))]
 
     async def restore(self) -> dict[str, int]:
         """Sessions, runs, tokens and events, from the journal (``--durability full``)."""

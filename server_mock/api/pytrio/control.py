@@ -53,13 +53,13 @@ async def telemetry(state: PytrioState, request: Request, tenant: str):
 # --- service sessions ---------------------------------------------------------------------------------------------
 
 
-def session_out(session: Session, with_runs: bool) -> cw.ServiceSessionOut:
+def session_out(state: PytrioState, session: Session, with_runs: bool) -> cw.ServiceSessionOut:
     return cw.ServiceSessionOut(
         service_session_cuid=session.cuid, workspace_cuid=workspace_of(session.tenant), status=session.status,
         sdk_version=session.sdk_version or None, created_at=cw.utc(session.created),
         updated_at=cw.utc(session.last_seen),
-        training_run_cuids=list(session.training) if with_runs else None,
-        sampling_run_cuids=list(session.sampling) if with_runs else None)
+        training_run_cuids=state.training_cuids(session) if with_runs else None,
+        sampling_run_cuids=state.sampling_cuids(session) if with_runs else None)
 
 
 async def create_session(state: PytrioState, request: Request, tenant: str):
@@ -70,12 +70,12 @@ async def create_session(state: PytrioState, request: Request, tenant: str):
 
 
 async def get_session(state: PytrioState, request: Request, tenant: str):
-    return session_out(state.session(request.path_params["session"], tenant), with_runs=True)
+    return session_out(state, state.session(request.path_params["session"], tenant), with_runs=True)
 
 
 async def list_sessions(state: PytrioState, request: Request, tenant: str):
     rows, cursor = page(state.sessions_of(tenant), request)
-    items = [session_out(s, with_runs=False).model_dump(mode="json", exclude_none=True) for s in rows]
+    items = [session_out(state, s, with_runs=False).model_dump(mode="json", exclude_none=True) for s in rows]
     return {"service_sessions": items, "cursor": cursor.model_dump()}
 
 

@@ -28,7 +28,16 @@ from server_mock.api.pytrio.actor import decode_event, msgpack_limits
 from server_mock.api.pytrio.durable import EVENTS, SAMPLING, SESSIONS, TEMPORARY, TRAINING, unb64
 from server_mock.api.pytrio.events import Event
 from server_mock.api.pytrio.runs import new_events
-from server_mock.api.pytrio.state import PytrioState, SamplingRun, Session, TemporaryWeights, TrainingRun
+from server_mock.api.pytrio.state import (
+    SAMPLING_RUN,
+    TEMPORARY_WEIGHTS,
+    TRAINING_RUN,
+    PytrioState,
+    SamplingRun,
+    Session,
+    TemporaryWeights,
+    TrainingRun,
+)
 from server_mock.api.pytrio.tokens import Grant
 from server_mock.errors import WorkerError
 from server_mock.service.journal import DAMAGED_ROW
@@ -41,23 +50,24 @@ async def restore(state: PytrioState) -> dict[str, int]:
     now = state.clock()
     counts = {"pytrio_sessions": 0, "pytrio_training_runs": 0, "pytrio_events": 0, "pytrio_events_rerun": 0,
               "pytrio_sampling_runs": 0}
+    for cuid, tenant, value in db.records(SESSIONS):
+        try:
+            state.sessions[cuid] = Session(cuid, tenant, value["sdk_version"], value["created"], now)
+        except DAMAGED_ROW as exc:  # one damaged record never stops the worker starting
+            _quarantine(db, SESSIONS, cuid, tenant, exc)
+            continue
+        counts["pytrio_sessions"] += 1
     for path, tenant, value in db.records(TEMPORARY):
         try:
             weights = TemporaryWeights(**value)
-        except DAMAGED_ROW as exc:  # one damaged record never stops the worker starting
+        except DAMAGED_ROW as exc:
             _quarantine(db, TEMPORARY, path, tenant, exc)
             continue
         if path in state.service.checkpoints.snapshots:
             state.temporary[path] = weights
+            state.sessions.lease(weights.session_cuid, TEMPORARY_WEIGHTS, path)  # its session's, if still open
         else:
             state.journal.temporary_dropped(path)
-    for cuid, tenant, value in db.records(SESSIONS):
-        try:
-            state.sessions[cuid] = Session(cuid, tenant, value["sdk_version"], value["created"], now)
-        except DAMAGED_ROW as exc:
-            _quarantine(db, SESSIONS, cuid, tenant, exc)
-            continue
-        counts["pytrio_sessions"] += 1
     events = _events_by_run(db)
     for cuid, tenant, value in sorted(_readable(db, TRAINING), key=lambda r: r[2]["created"]):
         try:
@@ -81,7 +91,7 @@ async def restore(state: PytrioState) -> dict[str, int]:
             logger.error("pytrio training run %s not restored this time (kept in the journal): %s: %s", cuid,
                          type(exc).__name__, exc)
             continue
-        session.training.append(cuid)
+        state.sessions.lease(session.cuid, TRAINING_RUN, cuid)
         counts["pytrio_training_runs"] += 1
     for _source, cuid, tenant, reason, _row in db.quarantined(f"records:{TRAINING}"):
         state.damaged[cuid] = (tenant, reason)
@@ -129,7 +139,7 @@ def _restore_sampling(state: PytrioState, cuid: str, tenant: str, value: dict, n
     state.tokens.restore(digest, Grant(tenant, "sampling", cuid, session.cuid, expires))
     run.token_expires = expires
     state.sampling.setdefault(tenant, OrderedDict())[cuid] = run
-    session.sampling.append(cuid)
+    state.sessions.lease(session.cuid, SAMPLING_RUN, cuid)
     counts["pytrio_sampling_runs"] += 1
 
 

@@ -74,7 +74,7 @@ async def create_training_run(state: PytrioState, request: Request, tenant: str)
     _check_room(state, tenant)
     now = state.clock()
     run = TrainingRun(cuid=run_id("run"), tenant=tenant, session_cuid=session.cuid,
-                      run_index=len(session.training) + 1, alias=alias,
+                      run_index=len(state.training_cuids(session)) + 1, alias=alias,
                       model_id=state.service.models.tokenizer_id(alias), lora=spec, source_uri=uri,
                       restore_optimizer=body.restore_optimizer and bool(uri), created=now, last_seen=now)
     run.events = new_events(state, run)
@@ -118,7 +118,7 @@ async def create_sampling_run(state: PytrioState, request: Request, tenant: str)
     alias = sampler.base_model
     now = state.clock()
     run = SamplingRun(cuid="sr_" + uuid.uuid4().hex[:20], tenant=tenant, session_cuid=session.cuid,
-                      run_index=len(session.sampling) + 1, alias=alias,
+                      run_index=len(state.sampling_cuids(session)) + 1, alias=alias,
                       model_id=state.service.models.tokenizer_id(alias), source_uri=uri or "",
                       sampler_id=sampler.sampler_id, created=now, last_used=now)
     state.add_sampling(run, session)

@@ -12,6 +12,10 @@ the checkpoints on disk stay. Nothing piles up: sessions per key are capped and 
 whose client stopped beating releases its adapter; sampling runs (the SDK never closes them, GRPO makes one per
 step) are kept per key up to a count, least recently used first out, and expire when idle; temporary sampler
 weights expire at their TTL. Every bound has a ``--pytrio-*`` flag (config.PytrioOptions, docs/reliability.md).
+
+What a service session holds is its leases (service/sessions.py): its training runs, sampling runs and temporary
+sampler weights (``TRAINING_RUN``, ``SAMPLING_RUN``, ``TEMPORARY_WEIGHTS``, by cuid and trio:// path). Closing it
+releases each: a training run's adapter first, then its record.
 """
 
 from __future__ import annotations
@@ -37,6 +41,9 @@ from server_mock.service.worker import WorkerService
 
 logger = logging.getLogger("server_mock")
 
+# what a service session leases (ClientSessions kinds)
+TRAINING_RUN, SAMPLING_RUN, TEMPORARY_WEIGHTS = "training_run", "sampling_run", "temporary_weights"
+
 
 @dataclass
 class Session:
@@ -46,8 +53,6 @@ class Session:
     created: float
     last_seen: float
     status: str = "ACTIVE"
-    training: list[str] = field(default_factory=list)
-    sampling: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -153,22 +158,31 @@ class PytrioState:
     def sessions_of(self, tenant: str) -> list[Session]:
         return self.sessions.of(tenant)
 
+    def training_cuids(self, session: Session) -> list[str]:
+        """The cuids of the session's training runs, oldest first."""
+        return list(self.sessions.leases(session.cuid, TRAINING_RUN))
+
+    def sampling_cuids(self, session: Session) -> list[str]:
+        """The cuids of the session's sampling runs, oldest first."""
+        return list(self.sessions.leases(session.cuid, SAMPLING_RUN))
+
     async def close_session(self, session: Session, status: str) -> None:
-        """Release everything the session owns: training runs (their adapters), sampling runs, tokens and its
+        """Release everything the session leased: training runs (their adapters), sampling runs, tokens and its
         temporary sampler weights. Checkpoints on disk stay."""
-        self.sessions.pop(session.cuid, None)
+        leases = self.sessions.close(session.cuid)
         self.journal.session_closed(session.cuid)
         session.status = status
-        for cuid in list(session.training):
+        for cuid in leases.get(TRAINING_RUN, {}):
             run = self.training.get(cuid)
             if run is not None:
                 await self.release_training(run, f"its service session {session.cuid} was closed")
-        for cuid in list(session.sampling):
+        for cuid in leases.get(SAMPLING_RUN, {}):
             run = self.sampling.get(session.tenant, {}).get(cuid)
             if run is not None:
                 self.release_sampling(run)
-        for path in [p for p, t in self.temporary.items() if t.session_cuid == session.cuid]:
-            self._drop_temporary(path)
+        for path in leases.get(TEMPORARY_WEIGHTS, {}):
+            if path in self.temporary:
+                self._drop_temporary(path)
 
     # --- training runs --------------------------------------------------------------------------------------
 
@@ -179,7 +193,7 @@ class PytrioState:
         run.token, run.token_expires = self.tokens.mint(run.tenant, "training", run.cuid, session.cuid)
         self.save_training(run)
         self.training[run.cuid] = run
-        session.training.append(run.cuid)
+        self.sessions.lease(session.cuid, TRAINING_RUN, run.cuid)
         return run
 
     def save_training(self, run: TrainingRun) -> None:
@@ -220,9 +234,7 @@ class PytrioState:
         after the ops already queued there)."""
         self.training.pop(run.cuid, None)
         self.tokens.revoke(run.cuid)
-        session = self.sessions.get(run.session_cuid)
-        if session is not None and run.cuid in session.training:
-            session.training.remove(run.cuid)
+        self.sessions.release(run.session_cuid, TRAINING_RUN, run.cuid)
         run.status = "ENDED"
         if run.events is not None:
             run.events.close(f"the training run was released: {reason}")
@@ -241,7 +253,7 @@ class PytrioState:
         self.journal.sampling_run(run, self.tokens.written(run.cuid))
         mine = self.sampling.setdefault(run.tenant, OrderedDict())
         mine[run.cuid] = run
-        session.sampling.append(run.cuid)
+        self.sessions.lease(session.cuid, SAMPLING_RUN, run.cuid)
         while len(mine) > self.options.pytrio_max_sampling_runs:  # this key's least recently used goes first
             self.release_sampling(next(iter(mine.values())))
         return run
@@ -260,7 +272,7 @@ class PytrioState:
 
     def sampling_of(self, session: Session) -> list[SamplingRun]:
         mine = self.sampling.get(session.tenant, {})
-        return [mine[c] for c in session.sampling if c in mine]
+        return [mine[c] for c in self.sessions.leases(session.cuid, SAMPLING_RUN) if c in mine]
 
     def release_sampling(self, run: SamplingRun) -> None:
         mine = self.sampling.get(run.tenant, {})
@@ -269,9 +281,7 @@ class PytrioState:
             self.sampling.pop(run.tenant, None)
         self.journal.sampling_released(run.cuid)
         self.tokens.revoke(run.cuid)
-        session = self.sessions.get(run.session_cuid)
-        if session is not None and run.cuid in session.sampling:
-            session.sampling.remove(run.cuid)
+        self.sessions.release(run.session_cuid, SAMPLING_RUN, run.cuid)
         for request_id, task in run.samples.items():
             task.cancel()
             self.answers.drop(run.tenant, ("sample", run.cuid, request_id))
@@ -280,12 +290,19 @@ class PytrioState:
     # --- temporary sampler weights --------------------------------------------------------------------------
 
     def keep_temporary(self, path: str, tenant: str, session_cuid: str, ttl: float) -> None:
+        """Kept until ``ttl`` or until its session closes (saved after that: until ``ttl``)."""
         self.temporary[path] = TemporaryWeights(tenant, session_cuid, self.clock() + ttl)
         self.journal.temporary(path, self.temporary[path])
+        self.sessions.lease(session_cuid, TEMPORARY_WEIGHTS, path)
+
+    def _forget_temporary(self, path: str) -> None:
+        weights = self.temporary.pop(path, None)
+        if weights is not None:
+            self.sessions.release(weights.session_cuid, TEMPORARY_WEIGHTS, path)
+        self.journal.temporary_dropped(path)
 
     def _drop_temporary(self, path: str) -> None:
-        self.temporary.pop(path, None)
-        self.journal.temporary_dropped(path)
+        self._forget_temporary(path)
         self.service.checkpoints.snapshots.pop(path)
 
     # --- collection -----------------------------------------------------------------------------------------
@@ -298,8 +315,7 @@ class PytrioState:
         for path in [p for p, t in self.temporary.items() if t.expires <= now]:
             self._drop_temporary(path)
         for path in [p for p in self.temporary if p not in self.service.checkpoints.snapshots]:
-            del self.temporary[path]  # evicted by the per-key snapshot limit already
-            self.journal.temporary_dropped(path)
+            self._forget_temporary(path)  # evicted by the per-key snapshot limit already
         for runs in list(self.sampling.values()):
             for run in [r for r in runs.values() if now - r.last_used > options.pytrio_sampling_run_ttl]:
                 self.release_sampling(run)

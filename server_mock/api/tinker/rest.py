@@ -214,16 +214,13 @@ async def list_sessions(state: TinkerState, request: Request, tenant: str):
     return {"sessions": [s.session_id for s in sessions[page.offset:page.offset + page.limit]]}
 
 
-def _session_runs(state: TinkerState, session) -> list[str]:
-    return [state.models[m].run_id for m in session.model_ids if m in state.models]
-
-
 async def get_session(state: TinkerState, request: Request, tenant: str):
     _query(request, ScopeQuery)
     session = state.sessions.get(request.path_params["session_id"])
     if session is None or session.tenant != tenant:
         raise not_found("session", request.path_params["session_id"])
-    return {"training_run_ids": _session_runs(state, session), "sampler_ids": list(session.sampler_ids),
+    return {"training_run_ids": state.session_runs(session.session_id),
+            "sampler_ids": state.session_samplers(session.session_id),
             "user_metadata": session.user_metadata, "display_name": session.display_name}
 
 
@@ -240,7 +237,7 @@ def _matches(session, query: SessionSearch) -> bool:
 
 
 def _summary(state: TinkerState, session) -> dict:
-    runs = set(_session_runs(state, session))
+    runs = set(state.session_runs(session.session_id))
     checkpoints = [c for c in state.service.checkpoints.records(session.tenant) if c[0].run_id in runs]
     return {"session_id": session.session_id, "created_at": records.iso(session.created),
             "owner": records.owner_label(session.tenant), "project_id": "", "status": {"type": "active"},

@@ -20,7 +20,7 @@ from typing import Any
 
 from server_mock.api.tinker.answers import Answer, converter, sample_answer, snapshot_sampler_id
 from server_mock.api.tinker.durable import MODELS, SAMPLING, SESSIONS
-from server_mock.api.tinker.state import Session, TinkerState
+from server_mock.api.tinker.state import SAMPLING_SESSION, Session, TinkerState
 from server_mock.engine.queue import job_result
 from server_mock.errors import WorkerError
 
@@ -56,7 +56,7 @@ async def restore(state: TinkerState) -> dict[str, int]:
         run.user_metadata = labels
         model = await state.register(session, model_id, run.run_id, run.base_model, labels)
         session.creations += 1
-        state.creations[(session.session_id, value["model_seq_id"])] = (value["request_id"], model_id)
+        state.add_creation(session, value["model_seq_id"], value["request_id"], model_id)
         state.futures.add(tenant, _answer(value["answer"]), value["request_id"])
         counts["tinker_models"] += 1
         for op in journal.ops(run.run_id):
@@ -88,7 +88,7 @@ async def restore(state: TinkerState) -> dict[str, int]:
         except WorkerError:
             continue
         if session is not None:
-            state.sampling_sessions[(session_id, int(seq))] = sampler.sampler_id
+            state.sessions.lease(session_id, SAMPLING_SESSION, (session_id, int(seq)), sampler.sampler_id)
             state.add_session_sampler(session, sampler.sampler_id)
             session.creations += 1
     for request_id, tenant, _sampler_id, front in journal.front_requests():

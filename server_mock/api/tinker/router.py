@@ -43,10 +43,9 @@ async def unsupported(state: TinkerState, request: Request, tenant: str):
 
 def _session_scopes(state: TinkerState, session_id: str) -> list[str] | None:
     """A session's training runs and samplers (the operator's session trace), None if unknown."""
-    session = state.sessions.get(session_id)
-    if session is None:
+    if state.sessions.get(session_id) is None:
         return None
-    return [*(state.models[m].run_id for m in session.model_ids if m in state.models), *session.sampler_ids]
+    return [*state.session_runs(session_id), *state.session_samplers(session_id)]
 
 
 class TinkerProtocol:

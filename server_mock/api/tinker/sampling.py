@@ -21,7 +21,7 @@ from server_mock.api.tinker.answers import sample_answer
 from server_mock.api.tinker.endpoint import read
 from server_mock.api.tinker.futures import raise_
 from server_mock.api.tinker.paths import to_tinker_path, to_trio_path
-from server_mock.api.tinker.state import TinkerState
+from server_mock.api.tinker.state import SAMPLING_SESSION, TinkerState
 from server_mock.engine.queue import job_result
 from server_mock.errors import WorkerError, bad_request
 from server_mock.service.rate_limits import RateLimited
@@ -39,14 +39,16 @@ async def create_sampling_session(state: TinkerState, request: Request, tenant: 
     body, _ = await read(request, schemas.CreateSamplingSession, state.json_limit)
     session = state.session(body.session_id, tenant)
     key = (session.session_id, body.sampling_session_seq_id)
-    if key not in state.sampling_sessions:
+    sampler_id = state.sessions.leases(session.session_id, SAMPLING_SESSION).get(key)
+    if sampler_id is None:
         create = _create_body(body)
         state.count_creation(session, "sampling_session_seq_id")
         sampler = await state.service.samplers.create(create, tenant)
-        state.sampling_sessions[key] = sampler.sampler_id
-        state.add_session_sampler(session, sampler.sampler_id)
-        state.journal.sampling_session(session, body.sampling_session_seq_id, sampler.sampler_id)
-    return {"sampling_session_id": state.sampling_sessions[key], "type": "create_sampling_session"}
+        sampler_id = sampler.sampler_id
+        state.sessions.lease(session.session_id, SAMPLING_SESSION, key, sampler_id)
+        state.add_session_sampler(session, sampler_id)
+        state.journal.sampling_session(session, body.sampling_session_seq_id, sampler_id)
+    return {"sampling_session_id": sampler_id, "type": "create_sampling_session"}
 
 
 async def get_sampler(state: TinkerState, request: Request, tenant: str):
@@ -151,7 +153,7 @@ async def asample(state: TinkerState, request: Request, tenant: str):
     count = num if 0 < num <= service.limits.max_num_samples else 0
     sequence_ids = [f"{request_id}:{i}" for i in range(count)]
     record = body.record_stability_info is True  # stable_reinforce: keep what each sequence was
-    scope = state.sampler_sessions.get(sampler.sampler_id)
+    scope = state.sampler_session(sampler.sampler_id)
     try:
         if record and scope is None:
             raise bad_request("record_stability_info", provenance.NO_SESSION)

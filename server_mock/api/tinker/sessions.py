@@ -65,9 +65,9 @@ async def healthz(state: TinkerState, request: Request, tenant: str):
 async def create_model(state: TinkerState, request: Request, tenant: str):
     body, _ = await read(request, schemas.CreateModel, state.json_limit)
     session = state.session(body.session_id, tenant)
-    key = (session.session_id, body.model_seq_id)
-    if key in state.creations:
-        request_id, model_id = state.creations[key]
+    known = state.creation(session, body.model_seq_id)
+    if known is not None:
+        request_id, model_id = known
         return {"request_id": request_id, "model_id": model_id}
     lora = body.lora_config or schemas.LoraConfig()
     optimizer = body.optimizer_config or schemas.OptimizerConfig()
@@ -89,7 +89,7 @@ async def create_model(state: TinkerState, request: Request, tenant: str):
         return answer
 
     state.futures.add_guarded(tenant, create(), request_id)
-    state.creations[key] = (request_id, model_id)
+    state.add_creation(session, body.model_seq_id, request_id, model_id)
     return {"request_id": request_id, "model_id": model_id}
 
 

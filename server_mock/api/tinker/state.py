@@ -1,6 +1,12 @@
 """What the Tinker API remembers between requests: sessions, training models, sampling sessions,
 futures, and the bounds on all of them.
 
+What a session holds is its leases (service/sessions.py), of four kinds: ``CREATION`` (model_seq_id -> the future
+that creates its model and the model's id), ``MODEL`` (its registered training models, deleted when it finishes),
+``SAMPLING_SESSION`` (sampling_session_seq_id -> sampler) and ``SAMPLER`` (its sampling clients, newest last: the
+most recent ``max_samplers``, whose samples may be recorded for stable_reinforce). Creations and sampling sessions
+are leased by (session, seq_id).
+
 Identifiers:
   session       ``sess-<hex>``; a session's training models are deleted when it finishes
   model_id      ``<session_id>:train:<model_seq_id>`` (the client derives this form itself)
@@ -12,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -34,6 +40,9 @@ logger = logging.getLogger("server_mock")
 # the other bounds are flags (config.TinkerOptions: sessions, idle timeout, seq_id look-ahead, waiting bytes)
 ELEMENTS_PER_TOKEN = 8  # a forward_backward request's tensors may declare 8 x max_tokens_per_request elements
 
+# what a session leases (ClientSessions kinds)
+CREATION, MODEL, SAMPLING_SESSION, SAMPLER = "creation", "model", "sampling_session", "sampler"
+
 
 @dataclass
 class Session:
@@ -41,10 +50,7 @@ class Session:
     tenant: str
     created: float = field(default_factory=time.time)
     last_seen: float = field(default_factory=time.time)
-    model_ids: list[str] = field(default_factory=list)
-    creations: int = 0
-    # its sampling clients, newest last (the service keeps at most max_samplers of a key's samplers anyway)
-    sampler_ids: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    creations: int = 0  # models and sampling sessions it made, for --tinker-max-creations
     user_metadata: dict[str, str] | None = None  # create_session's (ServiceClient(user_metadata=...))
     display_name: str | None = None
 
@@ -87,13 +93,10 @@ class TinkerState:
             cap_flag="--tinker-max-sessions", ttl_flag="--tinker-session-ttl",
             advice="close some (ServiceClient.close)")
         self.models: dict[str, TinkerModel] = {}
-        self.creations: dict[tuple[str, int], tuple[str, str]] = {}  # (session, model_seq_id) -> (request, model)
-        self.sampling_sessions: dict[tuple[str, int], str] = {}  # (session, sampling_session_seq_id) -> sampler
         # "sampler:seq_id" -> (request id, sequence ids, body digest), to answer re-sent asample requests; per tenant
         self.samples: TenantLRU[tuple[str, list[str], str]] = TenantLRU(options.tinker_sample_ids)
         # samplers for asample calls that name no sampling session, the most recent per key
         self.implicit = ReusedSamplers(service.samplers, options.tinker_implicit_samplers)
-        self.sampler_sessions: dict[str, str] = {}  # sampler id -> the session it was made in (provenance scope)
         self.rate_held: Counter[str] = Counter()  # samples held for their key's budget
 
     def element_budget(self) -> ElementBudget:
@@ -123,6 +126,20 @@ class TinkerState:
                               "a new session", what)
         session.creations += 1
 
+    def creation(self, session: Session, model_seq_id: int) -> tuple[str, str] | None:
+        """(request id, model id) of the session's ``model_seq_id`` if it was asked for already."""
+        return self.sessions.leases(session.session_id, CREATION).get((session.session_id, model_seq_id))
+
+    def add_creation(self, session: Session, model_seq_id: int, request_id: str, model_id: str) -> None:
+        self.sessions.lease(session.session_id, CREATION, (session.session_id, model_seq_id), (request_id, model_id))
+
+    def session_runs(self, session_id: str) -> list[str]:
+        """The service runs of the session's training models, oldest first."""
+        return [self.models[m].run_id for m in self.sessions.leases(session_id, MODEL) if m in self.models]
+
+    def session_samplers(self, session_id: str) -> list[str]:
+        return list(self.sessions.leases(session_id, SAMPLER))
+
     def model(self, model_id: str, tenant: str) -> TinkerModel:
         model = self.models.get(model_id)
         if model is None or model.tenant != tenant:
@@ -145,24 +162,19 @@ class TinkerState:
         if created_by is not None:
             self.journal.model_registered(model, *created_by)
         self.models[model_id] = model
-        session.model_ids.append(model_id)
+        self.sessions.lease(session.session_id, MODEL, model_id)
         return model
 
     async def finish(self, session: Session) -> None:
-        """End a session: its training models are deleted (their checkpoints stay)."""
-        self.sessions.pop(session.session_id, None)
+        """End a session: its training models are deleted (their checkpoints stay); its creations, sampling sessions
+        and samplers are no longer its."""
+        leases = self.sessions.close(session.session_id)
         self.journal.session_finished(session.session_id)
-        for key in [k for k in self.creations if k[0] == session.session_id]:
-            del self.creations[key]
-        for key in [k for k in self.sampling_sessions if k[0] == session.session_id]:
-            del self.sampling_sessions[key]
-        for model_id in session.model_ids:
+        for model_id in leases.get(MODEL, {}):
             model = self.models.pop(model_id, None)
             if model is not None:
                 model.gate.close(f"model_id: the session of {model_id!r} finished")
                 await self._delete_run(model.run_id, session.tenant)
-        for sampler_id in session.sampler_ids:
-            self.sampler_sessions.pop(sampler_id, None)
         self.service.stability.drop_scope(session.tenant, session.session_id)
 
     async def expire(self) -> None:
@@ -180,11 +192,15 @@ class TinkerState:
             pass
 
     def add_session_sampler(self, session: Session, sampler_id: str) -> None:
-        """A sampling client made in ``session``: its samples may be recorded for stable_reinforce."""
+        """A sampling client made in ``session``: its samples may be recorded for stable_reinforce (the service
+        keeps at most max_samplers of a key's samplers anyway, so the session keeps its newest that many)."""
         if self.sessions.get(session.session_id) is not session:
             return
-        session.sampler_ids[sampler_id] = None
-        self.sampler_sessions[sampler_id] = session.session_id
-        while len(session.sampler_ids) > self.service.limits.max_samplers:
-            old, _ = session.sampler_ids.popitem(last=False)
-            self.sampler_sessions.pop(old, None)
+        self.sessions.lease(session.session_id, SAMPLER, sampler_id)
+        mine = self.sessions.leases(session.session_id, SAMPLER)
+        while len(mine) > self.service.limits.max_samplers:
+            self.sessions.release(session.session_id, SAMPLER, next(iter(mine)))
+
+    def sampler_session(self, sampler_id: str) -> str | None:
+        """The open session a sampler was made in (the scope its recorded samples go under), if any."""
+        return self.sessions.holder(SAMPLER, sampler_id)

@@ -71,9 +71,9 @@ async def load_weights(state: TinkerState, request: Request, tenant: str):
         raise bad_request("model_seq_id", "required")
     session = state.session(body.session_id, tenant)
     model_seq_id = body.model_seq_id
-    key = (session.session_id, model_seq_id)
-    if key in state.creations:
-        request_id, model_id = state.creations[key]
+    known = state.creation(session, model_seq_id)
+    if known is not None:
+        request_id, model_id = known
         return {"request_id": request_id, "model_id": model_id}
     state.count_creation(session, "model_seq_id")
     model_id = f"{session.session_id}:train:{model_seq_id}"
@@ -92,7 +92,7 @@ async def load_weights(state: TinkerState, request: Request, tenant: str):
         return answer
 
     state.futures.add_guarded(tenant, create(), request_id)
-    state.creations[key] = (request_id, model_id)
+    state.add_creation(session, model_seq_id, request_id, model_id)
     return {"request_id": request_id, "model_id": model_id}
 
 
