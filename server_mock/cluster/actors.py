@@ -142,8 +142,13 @@ class TrainerRank:
 
 
 class SamplerReplica:
-    """A copy of the base model that samples; adapter snapshots are fetched from the object store on first
-    use and kept, the least recently used dropped beyond ``keep``."""
+    """A copy of the base model that samples. A call carries one or more groups of requests, each for one set of
+    weights (``sample_groups``); groups of several adapters decode as one mixed batch, on the host's adapter pool
+    and mixed decoder (``LocalModelHost.sample_mixed``). Snapshots are fetched from the object store on first use
+    and kept, the least recently used dropped beyond ``keep`` (never one of the running call); what the host derived
+    from a dropped one (its adapter pool entry, its merged copy) goes with it, so a replica holds the weights of at
+    most ``keep`` snapshots, or of the snapshots of its call where that is more (``--adapter-pool-bytes`` and
+    ``--merge-lora-bytes`` may hold fewer of them ready)."""
 
     def __init__(self, index: int, name: str, source: str, device: str, dtype: str, max_seq_len: int | None,
                  options: TrainOptions, threads: int, keep: int) -> None:
@@ -153,13 +158,21 @@ class SamplerReplica:
         self.snapshots: collections.OrderedDict[str, object] = collections.OrderedDict()
         self.fetched = 0
         self.batches = 0
+        self.weights_per_batch: collections.Counter[int] = collections.Counter()  # calls by sets of weights
 
     def ping(self) -> int:
         return os.getpid()
 
+    def can_mix(self) -> bool:
+        """Whether a call's groups of different adapters decode as one batch (else one after another)."""
+        return bool(self.host.can_mix)
+
     def stats(self) -> dict:
+        pool = self.host.adapter_pool
         return {"index": self.index, "pid": os.getpid(), "fetched": self.fetched, "batches": self.batches,
-                "snapshots": list(self.snapshots)}
+                "weights_per_batch": dict(self.weights_per_batch), "snapshots": list(self.snapshots),
+                "pool": None if pool is None else {"entries": pool.keys(), "loads": pool.stats.loads,
+                                                   "hits": pool.stats.hits, "evictions": pool.stats.evictions}}
 
     def _snapshot(self, snapshot_id: str | None, holder: list | None):
         if snapshot_id is None:
@@ -171,14 +184,31 @@ class SamplerReplica:
             snap = ray.get(holder[0])  # published once by the front end (ray.put); fetched here once
             self.fetched += 1
             self.snapshots[snapshot_id] = snap
-            while len(self.snapshots) > self.keep:
-                self.snapshots.popitem(last=False)
         else:
             self.snapshots.move_to_end(snapshot_id)
         return snap
 
-    def sample(self, snapshot_id: str | None, holder: list | None, specs: list) -> tuple[list, dict, int]:
+    def _trim(self, running: set) -> None:
+        """Drop the least recently used snapshots beyond ``keep``, but not those of the running call."""
+        for snapshot_id in list(self.snapshots):
+            if len(self.snapshots) <= self.keep:
+                return
+            if snapshot_id not in running:
+                del self.snapshots[snapshot_id]
+                self.host.forget_snapshot(snapshot_id)
+
+    def sample_groups(self, groups: list[tuple[str | None, list | None, list]]) -> tuple[list[list], dict, int]:
+        """Sample ``(snapshot id, holder, specs)`` groups as one batch: each group's results in order, the batch's
+        timings and this replica's index."""
+        snapshots = [self._snapshot(snapshot_id, holder) for snapshot_id, holder, _ in groups]
+        self._trim({snapshot_id for snapshot_id, _, _ in groups})
+        requests = [(snap, spec) for snap, (_, _, specs) in zip(snapshots, groups) for spec in specs]
         timings: dict[str, float] = {}
-        results = self.host.sample_batch(self._snapshot(snapshot_id, holder), specs, timings)
+        flat = self.host.sample_mixed(requests, timings)
         self.batches += 1
-        return results, timings, self.index
+        self.weights_per_batch[len(groups)] += 1
+        out, start = [], 0
+        for _, _, specs in groups:
+            out.append(flat[start:start + len(specs)])
+            start += len(specs)
+        return out, timings, self.index

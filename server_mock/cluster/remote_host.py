@@ -49,7 +49,8 @@ class RemoteAdapter:
 
 class ReplicaQueue(ModelQueue):
     """The model's sampling queue with one draining thread per replica, so that replicas sample in parallel.
-    Requests for the same weights are still coalesced into one batch before a thread sends it."""
+    Requests of one batch key are still coalesced into one batch before a thread sends it (the same weights; where
+    the replicas mix adapters, the service gives sample jobs their mix key as batch key: ``mixed_batches``)."""
 
     def __init__(self, name: str, loop, threads: int) -> None:
         super().__init__(name, loop)
@@ -57,6 +58,10 @@ class ReplicaQueue(ModelQueue):
                       for i in range(1, threads)]
         for thread in self._more:
             thread.start()
+
+
+def _unstreamed(spec):
+    return dataclasses.replace(spec, stream=None) if getattr(spec, "stream", None) is not None else spec
 
 
 def _meta_model(source: str):
@@ -129,16 +134,37 @@ class RemoteModelHost(ModelFacts):
                 self._published.move_to_end(snapshot.snapshot_id)
             return ref
 
+    @property
+    def mixed_batches(self) -> bool:
+        """A batch may hold requests of several adapters of one mix key where the replicas can mix them: it goes to
+        a replica as one call, its adapters decoding together (``sample_mixed``)."""
+        return self.pool.can_mix
+
     def sample_batch(self, snapshot: Snapshot | None, specs: list, timings: dict) -> list:
-        # a request's token stream stays in this process: the replica decodes without it (its tokens come at the end)
-        specs = [dataclasses.replace(s, stream=None) if getattr(s, "stream", None) is not None else s for s in specs]
-        holder = None if snapshot is None else [self._publish(snapshot)]  # in a list: the replica fetches it
-        costs = [s.num_samples * (len(s.prompt_tokens) + s.max_tokens) for s in specs]
-        results, replica_timings, index = self.pool.sample(None if snapshot is None else snapshot.snapshot_id,
-                                                           holder, specs, costs)
+        return self.sample_mixed([(snapshot, spec) for spec in specs], timings)
+
+    def sample_mixed(self, requests: list[tuple[Snapshot | None, object]], timings: dict) -> list:
+        """The requests grouped by weights (first appearance order), each snapshot published once; the groups go
+        to the replicas together (``SamplerPool.sample_groups``), the results back in request order."""
+        groups: dict[str | None, tuple[Snapshot | None, list[int]]] = {}
+        for i, (snapshot, _) in enumerate(requests):
+            groups.setdefault(None if snapshot is None else snapshot.snapshot_id, (snapshot, []))[1].append(i)
+        wire, costs = [], []
+        for snapshot_id, (snapshot, indices) in groups.items():
+            # a request's token stream stays in this process: the replica decodes without it (its tokens come at
+            # the end)
+            specs = [_unstreamed(requests[i][1]) for i in indices]
+            holder = None if snapshot is None else [self._publish(snapshot)]  # in a list: the replica fetches it
+            wire.append((snapshot_id, holder, specs))
+            costs.append([s.num_samples * (len(s.prompt_tokens) + s.max_tokens) for s in specs])
+        results, replica_timings, index = self.pool.sample_groups(wire, costs)
         timings.update(replica_timings)
         timings["replica"] = float(index)
-        return results
+        out: list = [None] * len(requests)
+        for (_, indices), got in zip(groups.values(), results):
+            for i, result in zip(indices, got):
+                out[i] = result
+        return out
 
     def sampling_session(self, snapshot: Snapshot | None, defer: bool = False) -> None:
         """None: a replica decodes each batch in one go (the replicas' own threads keep other tenants moving)."""

@@ -1,7 +1,8 @@
 """Sampler replicas and how a batch is sent to them: the least loaded live replica, retried elsewhere if it dies.
 
-A batch of several requests (coalesced by the front-end queue) is split by tokens over the replicas that
-are idle, so that one burst of requests for the same weights uses every free replica.
+A batch of several requests (coalesced by the front-end queue: the same weights, or, where the replicas can mix
+adapters, any adapters of one mix key) is split by tokens over the replicas that are idle, so that one burst of
+requests uses every free replica; each replica decodes its part as one batch, its adapters mixed.
 
 Replicas are restarted by Ray when they die (their ``__init__`` loads the model again). A batch whose
 replica died is not retried by Ray (``max_task_retries=0``); the pool sends it again to another replica.
@@ -46,6 +47,8 @@ class SamplerPool:
         except ray.exceptions.GetTimeoutError:
             raise WorkerError(503, "cluster_full", f"sampler replicas did not start within {start_timeout:g}s "
                                                    "(the cluster may not have room for them)") from None
+        # every replica holds the same model and options: whether one call's adapters decode as one batch
+        self.can_mix = all(ray.get([r.can_mix.remote() for r in self.replicas], timeout=start_timeout))
 
     def _pick(self, cost: int) -> int:
         now = time.monotonic()
@@ -57,37 +60,53 @@ class SamplerPool:
             self.load[index] += cost
             return index
 
-    def sample(self, snapshot_id: str | None, holder: list | None, specs: list, costs: list[int]
-               ) -> tuple[list, dict, int]:
-        """Sample a coalesced batch; several requests are split over the idle replicas (sampling is seeded per
-        row, so where a request runs does not change its result)."""
+    def sample_groups(self, groups: list[tuple[str | None, list | None, list]], costs: list[list[int]]
+                      ) -> tuple[list[list], dict, int]:
+        """Sample a coalesced batch of ``(snapshot id, holder, specs)`` groups (``costs``: each spec's tokens): each
+        group's results in order, the timings and the index of a replica that ran it. The batch is split over the
+        idle replicas (sampling is seeded per row, so where a request runs does not change its result): whole groups
+        where no group outweighs a replica's share (each replica then fetches and loads fewer adapters), else request
+        by request. Each part goes to its replica as one call, its adapters decoding together."""
         now = time.monotonic()
         with self._lock:
             idle = sum(1 for i in range(len(self.replicas)) if self.load[i] == 0 and now - self.failed_at[i] >= 5.0)
-        shards = [s for s in split_by_tokens(costs, max(1, min(len(specs), idle))) if s]
-        if len(shards) == 1:
-            return self._sample_on_one(snapshot_id, holder, specs, sum(costs))
-        parts = list(self._executor.map(
-            lambda shard: self._sample_on_one(snapshot_id, holder, [specs[i] for i in shard],
-                                              sum(costs[i] for i in shard)), shards))
-        results: list = [None] * len(specs)
-        timings: dict[str, float] = {}
-        for shard, (shard_results, shard_timings, _) in zip(shards, parts):
-            for i, result in zip(shard, shard_results):
-                results[i] = result
-            for key, value in shard_timings.items():  # the replicas ran at the same time: the slowest counts
-                timings[key] = max(timings.get(key, 0.0), value)
-        return results, timings, parts[0][2]
+        pairs = [(g, j) for g, (_, _, specs) in enumerate(groups) for j in range(len(specs))]
+        parts = max(1, min(len(pairs), idle))
+        group_costs = [sum(c) for c in costs]
+        if max(group_costs) * parts <= sum(group_costs):
+            by_group = split_by_tokens(group_costs, parts)
+            shards = [[(g, j) for g in shard for j in range(len(groups[g][2]))] for shard in by_group if shard]
+        else:
+            shards = [[pairs[i] for i in shard]
+                      for shard in split_by_tokens([costs[g][j] for g, j in pairs], parts) if shard]
 
-    def _sample_on_one(self, snapshot_id: str | None, holder: list | None, specs: list, cost: int
-                       ) -> tuple[list, dict, int]:
+        def run(shard: list[tuple[int, int]]) -> tuple[list, dict, int]:
+            members: dict[int, list[int]] = {}
+            for g, j in shard:
+                members.setdefault(g, []).append(j)
+            part = [(groups[g][0], groups[g][1], [groups[g][2][j] for j in js]) for g, js in members.items()]
+            results, timings, index = self._sample_on_one(part, sum(costs[g][j] for g, j in shard))
+            return [((g, j), result) for (g, js), got in zip(members.items(), results)
+                    for j, result in zip(js, got)], timings, index
+
+        ran = [run(shards[0])] if len(shards) == 1 else list(self._executor.map(run, shards))
+        results: list[list] = [[None] * len(specs) for _, _, specs in groups]
+        timings: dict[str, float] = {}
+        for placed, part_timings, _ in ran:
+            for (g, j), result in placed:
+                results[g][j] = result
+            for key, value in part_timings.items():  # the replicas ran at the same time: the slowest counts
+                timings[key] = max(timings.get(key, 0.0), value)
+        return results, timings, ran[0][2]
+
+    def _sample_on_one(self, groups: list, cost: int) -> tuple[list, dict, int]:
         import ray
 
         deadline = time.monotonic() + RETRY_FOR
         while True:
             index = self._pick(cost)
             try:
-                return ray.get(self.replicas[index].sample.remote(snapshot_id, holder, specs))
+                return ray.get(self.replicas[index].sample_groups.remote(groups))
             except ray.exceptions.RayActorError as exc:
                 with self._lock:
                     self.failed_at[index] = time.monotonic()

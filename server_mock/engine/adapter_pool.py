@@ -176,9 +176,16 @@ class AdapterPool:
                 freed += self._evict_oldest()
         return freed
 
+    def drop(self, key: str) -> int:
+        """Forget the entry of snapshot ``key`` if it is resident (its holder dropped the snapshot); the bytes freed."""
+        with self._lock:
+            entry = self._entries.pop(key, None)
+            if entry is None:
+                return 0
+            self.stats.evictions += 1
+            if self.budget is not None:
+                self.budget.release(key)
+            return entry.nbytes
+
     def _evict_oldest(self) -> int:
-        key, entry = self._entries.popitem(last=False)
-        self.stats.evictions += 1
-        if self.budget is not None:
-            self.budget.release(key)
-        return entry.nbytes
+        return self.drop(next(iter(self._entries)))

@@ -27,6 +27,10 @@ class ModelHost(Protocol):
     max_seq_len: int | None
     vision: Any  # engine.vision.ImageProcessing of an image-text model; None for a text-only one
     vision_refusal: str | None  # why an image-text model takes no images (None: it takes them)
+    # whether sample requests of one mix key (other adapters of the base model) are batched together, whatever
+    # their weights, into one ``sample_mixed`` call: a host that decodes each batch in one go and can mix adapters
+    # in it (the Ray replicas); the local host mixes inside its decode sessions instead (False)
+    mixed_batches: bool
 
     @property
     def model_type(self) -> str:
@@ -75,6 +79,10 @@ class ModelHost(Protocol):
 
     def sample_batch(self, snapshot: Snapshot | None, specs: list, timings: dict[str, float]) -> list:
         """Generate for every ``SampleSpec`` as one batch with the snapshot's weights (None: the base model)."""
+
+    def sample_mixed(self, requests: list[tuple[Snapshot | None, Any]], timings: dict[str, float]) -> list:
+        """Generate for ``(snapshot, spec)`` requests of one or several sets of weights as one batch (rows of
+        different adapters decoding together where the host can mix them); the results in request order."""
 
     def sampling_session(self, snapshot: Snapshot | None, defer: bool = False) -> Any | None:
         """A resumable decode batch for these weights (engine/sampling_session.py), which the model queue runs in

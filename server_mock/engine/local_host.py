@@ -26,7 +26,7 @@ from server_mock.engine.loading import load_model_and_tokenizer
 from server_mock.engine.adapter_pool import AdapterPool
 from server_mock.engine.merged_lora import MergedDecoder, merged_bytes
 from server_mock.engine.mixed_lora import MixedLoraDecoder
-from server_mock.engine.sampling_session import SamplingSession
+from server_mock.engine.sampling_session import SamplingSession, weights_tag
 from server_mock.engine.vision import ImageProcessing, batch_image_inputs, is_image_text, load_image_processing
 from server_mock.engine.vision_probe import probe_image_decoding
 from server_mock.errors import bad_request
@@ -42,6 +42,8 @@ logger = logging.getLogger("server_mock")
 
 class LocalModelHost(ModelFacts):
     """A base model loaded in this process (see the module docstring)."""
+
+    mixed_batches = False  # the model queue's decode sessions mix adapters (``sampling_session``)
 
     def __init__(self, name: str, source: str, device: str, dtype: torch.dtype, max_seq_len: int | None = None,
                  options: TrainOptions | None = None):
@@ -311,6 +313,43 @@ class LocalModelHost(ModelFacts):
         timings["load_weights"] = time.perf_counter() - started
         return generate_batch(model, specs, self.tokenizer, timings, self.sampling_support, self.static_steps(model),
                               vision=self.vision)
+
+    def sample_mixed(self, requests: list[tuple[Snapshot | None, object]], timings: dict[str, float]) -> list:
+        """Generate for ``(snapshot, spec)`` requests, of one or several sets of weights, as one batch; the results
+        in request order, the batch's timings in ``timings``. Requests of one set of weights run ``sample_batch``
+        (its merged copy: faster for a lone adapter), unless ``--batch-invariant``; requests of several decode on one
+        ``SamplingSession`` prefilled together (``add_many``), on the mixed decoder, as the model queue's mixed
+        batches do. A host that cannot mix (no adapter pool) runs each set of weights as a batch of its own."""
+        by_weights: dict[str, list[int]] = {}
+        for i, (snapshot, _) in enumerate(requests):
+            by_weights.setdefault(weights_tag(snapshot), []).append(i)
+        if not self.can_mix or (len(by_weights) == 1 and not self.batch_invariant):
+            results: list = [None] * len(requests)
+            for indices in by_weights.values():
+                part: dict[str, float] = {}
+                got = self.sample_batch(requests[indices[0]][0], [requests[i][1] for i in indices], part)
+                for i, result in zip(indices, got):
+                    results[i] = result
+                for key, seconds in part.items():  # one batch after another: their times add up
+                    timings[key] = timings.get(key, 0.0) + seconds
+            return results
+        session = SamplingSession(self, requests[0][0], defer=True)
+        handles = session.add_many([(spec, snapshot) for snapshot, spec in requests])
+        done: dict[int, object] = {}
+        prefill = decode = 0.0
+        while session.active:
+            for handle, result, seconds in session.run(lambda: False):
+                done[handle] = result
+                prefill, decode = max(prefill, seconds["prefill"]), max(decode, seconds["decode"])
+        timings.update(load_weights=session.load_weights_s, prefill=prefill, decode=decode)
+        return [done[handle] for handle in handles]
+
+    def forget_snapshot(self, snapshot_id: str) -> None:
+        """Drop what this host derived from a snapshot its holder no longer keeps: its adapter pool entry and
+        its merged copy (a sampler slot keeps its weights until another snapshot takes it)."""
+        if self.adapter_pool is not None:
+            self.adapter_pool.drop(snapshot_id)
+        self._merged.pop(snapshot_id, None)
 
     def sampling_session(self, snapshot: Snapshot | None, defer: bool = False) -> SamplingSession:
         """A decode batch for these weights that the model queue runs in slices and adds requests to (``defer``:

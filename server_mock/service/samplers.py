@@ -214,7 +214,7 @@ class Samplers:
         self.budgets.take(tenant, cost)  # 429 + Retry-After past the key's tokens a minute
 
         def run_sample() -> dict:
-            return _sample_batch(host, load(), [(spec, return_text)])[0]
+            return _sample_together(host, [(spec, return_text, load)])[0]
 
         job = self.requests.new_job("sample", run_sample, tenant, request_id=request_id)
         job.tokens, job.scope = cost, sampler_id
@@ -227,13 +227,14 @@ class Samplers:
                 self.budgets.give_back(tenant, cost)
                 raise storage_error("sample", exc) from exc
             job.on_result = self._record_result
-        job.batch_key = batch_key
         # other adapters of the base model may share a running batch: the tenant's own, or any tenant's when
         # tenants may share batches (engine/mixed_lora.py; the batch decides whether it can hold them)
         job.mix_key = (f"{sampler.base_model}" if self.limits.batch_across_tenants
                        else f"{tenant}|{sampler.base_model}")
+        # a host that decodes each batch in one go and mixes adapters in it takes a mix key's jobs as one batch
+        job.batch_key = job.mix_key if host.mixed_batches else batch_key
         job.payload = (spec, return_text, load)
-        job.batch_fn = lambda payloads: _sample_batch(host, load(), payloads)
+        job.batch_fn = lambda payloads: _sample_together(host, payloads)
         job.batch_cost = spec.num_samples * (len(spec.prompt_tokens) + spec.max_tokens)
         job.rows = spec.num_samples
         job.open_decode = lambda: _SampleDecoding.open(host, load())
@@ -314,10 +315,11 @@ class _SampleDecoding:
                 for handle, result, timings in finished]
 
 
-def _sample_batch(host: ModelHost, snapshot: Snapshot | None, payloads: list[tuple]) -> list[dict]:
-    """Run one or more sample requests (``(spec, return_text, ...)``) for the same weights as one decoding batch."""
+def _sample_together(host: ModelHost, payloads: list[tuple]) -> list[dict]:
+    """Run one or more sample requests (``(spec, return_text, load)``), each with its own weights (``load``), as
+    one decoding batch (``sample_mixed``: requests of one set of weights decode as ``sample_batch`` does)."""
     timings: dict[str, float] = {}
-    results = host.sample_batch(snapshot, [payload[0] for payload in payloads], timings)
+    results = host.sample_mixed([(payload[2](), payload[0]) for payload in payloads], timings)
     crash_points.reached("sample")  # (kill tests) the tokens generated, nothing answered
     return _sample_dicts(host, payloads, results, timings, len(payloads))
 

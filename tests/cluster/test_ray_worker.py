@@ -109,6 +109,99 @@ def test_sampler_replicas_agree_with_trainer_and_fetch_each_snapshot_once(ray_se
         assert after[name]["fetched"] - before[name]["fetched"] <= 2
 
 
+def _trained_sampler(service, rank: int, seed: int, text: str):
+    """A sampling client of a run one AdamW step moved (a fresh LoRA's B is zero: it samples as the base model)."""
+    tc = service.create_lora_training_client("tiny", rank=rank, seed=seed)
+    ids = tc.get_tokenizer().encode(text)
+    datum = trio.Datum(model_input=trio.ModelInput.from_ints(ids[:-1]), loss_fn_inputs={"target_tokens": ids[1:]})
+    tc.forward_backward([datum]).result()
+    tc.optim_step(trio.AdamParams(learning_rate=5e-2)).result()
+    return tc.save_weights_and_get_sampling_client()
+
+
+def _replica_stats() -> dict[str, dict]:
+    return {n: ray.get(a.stats.remote(), timeout=60) for n, a in named_actors("sampler").items()}
+
+
+def test_requests_of_several_adapters_sent_together_decode_in_one_replica_call(ray_service):
+    """Four adapters' requests (ranks 4, 8, 16, 8) queued together go to one sampler replica as one call and decode
+    there as one mixed batch (its adapter pool serves every adapter); each request gets the greedy tokens it gets
+    alone, logprobs within 1e-4. Two long base-model requests hold both replicas first, so the four wait in the
+    queue together and the first replica to free up takes them (one idle replica: the batch is not split)."""
+    samplers = [_trained_sampler(ray_service, rank, 40 + i, text) for i, (rank, text) in enumerate(
+        [(4, "1 + 1 = 2. 2 + 2 = 4."), (8, "the answer is 42"), (16, "7 x 6 = 42, 6 x 7 = 42"), (8, "9 - 2 = 7")])]
+    prompt = trio.ModelInput.from_ints(samplers[0].get_tokenizer().encode("what is 3 + 4?"))
+    params = trio.SamplingParams(max_tokens=24, temperature=0.0, stop=[])
+    alone = [s.sample(prompt, num_samples=4, sampling_params=params).result() for s in samplers]
+    assert len({tuple(a.sequences[0].logprobs) for a in alone}) == len(samplers)  # four different adapters
+
+    base = ray_service.create_sampling_client(base_model="tiny")
+    long = trio.SamplingParams(max_tokens=1000, temperature=1.0, seed=1, stop=[])
+    before = _replica_stats()
+    blockers = []
+    for _ in range(2):  # one after the other: each is a batch of its own, on its own replica
+        blockers.append(base.sample(prompt, num_samples=16, sampling_params=long))
+        time.sleep(0.5)
+    together = [f.result() for f in [s.sample(prompt, num_samples=4, sampling_params=params) for s in samplers]]
+    for blocker in blockers:
+        blocker.result()
+    after = _replica_stats()
+
+    wide = sum(after[n]["weights_per_batch"].get(len(samplers), 0) - before[n]["weights_per_batch"].get(
+        len(samplers), 0) for n in after)
+    calls = sum(after[n]["batches"] - before[n]["batches"] for n in after)
+    assert wide == 1 and calls == 3, (before, after)  # served one by one: 4 calls of one adapter each
+    used = sum(after[n]["pool"]["loads"] + after[n]["pool"]["hits"] - before[n]["pool"]["loads"]
+               - before[n]["pool"]["hits"] for n in after)
+    assert used >= len(samplers)  # the mixed decoder took each adapter from the replica's pool
+    for got, want in zip(together, alone):
+        assert [s.tokens for s in got.sequences] == [s.tokens for s in want.sequences]
+        for x, y in zip(got.sequences, want.sequences):
+            assert np.abs(np.asarray(x.logprobs) - np.asarray(y.logprobs)).max() <= 1e-4
+
+
+def test_a_replica_keeps_the_weights_of_at_most_keep_snapshots_beside_its_running_call(ray_address, tiny_model_dir):
+    """A sampler replica (in this process, its snapshots put in the object store) with keep=2: a call of three
+    adapters keeps all three while it runs, in one mixed batch; the next call drops the least recently used beyond
+    two, and with each its adapter pool entry and merged copy."""
+    from pytrio_compat.wire import LoraSpec
+    from server_mock.cluster.actors import SamplerReplica
+    from server_mock.config import TrainOptions
+    from server_mock.sampling.generate import SampleSpec
+
+    threads = torch.get_num_threads()
+    try:
+        replica = SamplerReplica(0, "tiny", str(tiny_model_dir), "cpu", "float32", None, TrainOptions(), 1, keep=2)
+    finally:
+        torch.set_num_threads(threads)
+    host, snaps = replica.host, []
+    for i, rank in enumerate((4, 8, 4, 8)):
+        adapter = host.create_adapter(f"run-{i}", LoraSpec(rank=rank, seed=i))
+        with torch.no_grad():
+            for name, p in adapter.params.items():
+                if "lora_B" in name:
+                    p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(i)) * 0.05)
+        snaps.append(host.snapshot(adapter))
+    holders = [[ray.put(snap)] for snap in snaps]
+    spec = SampleSpec(prompt_tokens=[5, 6, 7, 8], num_samples=2, max_tokens=8, seed=1, temperature=0.0,
+                      stop_token_ids=[])
+    solo = [host.sample_batch(snap, [spec], {})[0] for snap in snaps]  # merged copies for all four
+    host._merged.clear()
+
+    results, _, _ = replica.sample_groups([(s.snapshot_id, h, [spec]) for s, h in zip(snaps[:3], holders[:3])])
+    assert replica.weights_per_batch == {3: 1} and replica.fetched == 3
+    assert list(replica.snapshots) == [s.snapshot_id for s in snaps[:3]]  # more than keep: the call's own
+    assert set(host.adapter_pool.keys()) == set(replica.snapshots)
+    replica.sample_groups([(snaps[3].snapshot_id, holders[3], [spec])])  # one adapter: its merged copy
+    kept = [snaps[2].snapshot_id, snaps[3].snapshot_id]
+    assert list(replica.snapshots) == kept and replica.fetched == 4
+    assert set(host.adapter_pool.keys()) <= set(kept) and set(host._merged) <= set(kept)
+    for got, want in zip([r[0] for r in results], solo):
+        assert [s.tokens for s in got.sequences] == [s.tokens for s in want.sequences]
+        for x, y in zip(got.sequences, want.sequences):
+            assert np.abs(np.asarray(x.logprobs) - np.asarray(y.logprobs)).max() <= 1e-4
+
+
 def _serve(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "server_mock", "serve", "--port", "0", "--log-level", "ERROR",
                            *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)

@@ -531,3 +531,41 @@ def test_mixed_decoding_is_off_without_a_pool(tiny_model_dir):
     with pytest.raises(ValueError, match="its own weights"):
         session.add(_spec(1), snaps[1])
     assert not isinstance(session.model, MixedLoraDecoder)
+
+
+def test_sample_mixed_runs_several_adapters_as_one_batch_and_one_adapter_as_sample_batch(host, snaps):
+    """``sample_mixed`` (what a Ray sampler replica runs for one call): requests of three adapters and the base
+    model, interleaved, decode as one mixed batch (no ``sample_batch`` call; the adapters come from the pool), each
+    with its solo tokens and logprobs within 1e-4, in request order; requests of one adapter take ``sample_batch``
+    (its merged copy), the pool untouched."""
+    weights = [*snaps, None]
+    requests = [(weights[i % len(weights)], _spec(i, n=2)) for i in range(2 * len(weights))]
+    solo = [_solo(host, w, s) for w, s in requests]
+    calls = []
+    sample_batch = host.sample_batch
+    host.sample_batch = lambda *args: calls.append(args[0]) or sample_batch(*args)
+    stats = host.adapter_pool.stats
+    try:
+        used = stats.loads + stats.hits
+        timings: dict = {}
+        got = host.sample_mixed(requests, timings)
+        assert calls == [] and stats.loads + stats.hits > used
+        assert timings["prefill"] > 0 and timings["decode"] > 0
+        for result, ref in zip(got, solo):
+            _check(result, ref)
+        used = stats.loads + stats.hits
+        alone = host.sample_mixed([(snaps[1], spec) for _, spec in requests[:3]], {})
+        assert calls == [snaps[1]] and stats.loads + stats.hits == used
+        for result, (_, spec) in zip(alone, requests[:3]):
+            _check(result, _solo(host, snaps[1], spec))
+    finally:
+        host.sample_batch = sample_batch
+
+
+def test_sample_mixed_without_a_pool_runs_each_adapter_in_a_batch_of_its_own(tiny_model_dir):
+    off = _host(tiny_model_dir, adapter_pool_bytes=0)
+    snaps = _snapshots(off, ranks=(4, 8))
+    requests = [(snaps[i % 2], _spec(i)) for i in range(4)]
+    got = off.sample_mixed(requests, {})
+    for result, (snap, spec) in zip(got, requests):
+        _check(result, _solo(off, snap, spec))
