@@ -20,7 +20,7 @@ from typing import Any
 
 from server_mock.api.tinker.answers import Answer, converter, sample_answer, snapshot_sampler_id
 from server_mock.api.tinker.durable import MODELS, SAMPLING, SESSIONS
-from server_mock.api.tinker.state import SAMPLING_SESSION, Session, TinkerState
+from server_mock.api.tinker.state import Session, TinkerState
 from server_mock.engine.queue import job_result
 from server_mock.errors import WorkerError
 
@@ -88,7 +88,7 @@ async def restore(state: TinkerState) -> dict[str, int]:
         except WorkerError:
             continue
         if session is not None:
-            state.sessions.lease(session_id, SAMPLING_SESSION, (session_id, int(seq)), sampler.sampler_id)
+            state.add_sampling_session(session, int(seq), sampler.sampler_id)
             state.add_session_sampler(session, sampler.sampler_id)
             session.creations += 1
     for request_id, tenant, _sampler_id, front in journal.front_requests():

@@ -21,7 +21,7 @@ from server_mock.api.tinker.answers import sample_answer
 from server_mock.api.tinker.endpoint import read
 from server_mock.api.tinker.futures import raise_
 from server_mock.api.tinker.paths import to_tinker_path, to_trio_path
-from server_mock.api.tinker.state import SAMPLING_SESSION, TinkerState
+from server_mock.api.tinker.state import TinkerState
 from server_mock.engine.queue import job_result
 from server_mock.errors import WorkerError, bad_request
 from server_mock.service.rate_limits import RateLimited
@@ -38,14 +38,13 @@ def _create_body(body: schemas.CreateSamplingSession | schemas.Asample) -> Creat
 async def create_sampling_session(state: TinkerState, request: Request, tenant: str):
     body, _ = await read(request, schemas.CreateSamplingSession, state.json_limit)
     session = state.session(body.session_id, tenant)
-    key = (session.session_id, body.sampling_session_seq_id)
-    sampler_id = state.sessions.leases(session.session_id, SAMPLING_SESSION).get(key)
+    sampler_id = state.sampling_session(session, body.sampling_session_seq_id)
     if sampler_id is None:
         create = _create_body(body)
         state.count_creation(session, "sampling_session_seq_id")
         sampler = await state.service.samplers.create(create, tenant)
         sampler_id = sampler.sampler_id
-        state.sessions.lease(session.session_id, SAMPLING_SESSION, key, sampler_id)
+        state.add_sampling_session(session, body.sampling_session_seq_id, sampler_id)
         state.add_session_sampler(session, sampler_id)
         state.journal.sampling_session(session, body.sampling_session_seq_id, sampler_id)
     return {"sampling_session_id": sampler_id, "type": "create_sampling_session"}

@@ -133,6 +133,13 @@ class TinkerState:
     def add_creation(self, session: Session, model_seq_id: int, request_id: str, model_id: str) -> None:
         self.sessions.lease(session.session_id, CREATION, (session.session_id, model_seq_id), (request_id, model_id))
 
+    def sampling_session(self, session: Session, seq_id: int) -> str | None:
+        """The sampler of the session's ``sampling_session_seq_id`` if it was made already."""
+        return self.sessions.leases(session.session_id, SAMPLING_SESSION).get((session.session_id, seq_id))
+
+    def add_sampling_session(self, session: Session, seq_id: int, sampler_id: str) -> None:
+        self.sessions.lease(session.session_id, SAMPLING_SESSION, (session.session_id, seq_id), sampler_id)
+
     def session_runs(self, session_id: str) -> list[str]:
         """The service runs of the session's training models, oldest first."""
         return [self.models[m].run_id for m in self.sessions.leases(session_id, MODEL) if m in self.models]
