@@ -68,7 +68,10 @@ def test_the_journal_counts_in_the_tenants_storage_budget(tiny_model_dir, tmp_pa
         if saved.status_code == 200:  # a save is refused only once it runs: poll it
             request = saved.json()["request_id"]
             result = a.get(f"/v1/requests/{request}", params={"wait": 30})
-            assert result.status_code == 507 and "storage_budget_exceeded" in result.text, result.text
+            body = result.json()  # a poll answers 200 with the failed request and its error
+            assert result.status_code == 200, result.text
+            assert body["status"] == "failed" and body["error"]["code"] == "storage_budget_exceeded", result.text
+            assert "--max-storage-bytes-per-tenant" in body["error"]["message"]
 
 
 def test_an_op_record_at_the_room_left_is_written_and_one_byte_more_is_refused(tmp_path):
