@@ -53,7 +53,8 @@ def _median_interleaved(cases: dict, repeats: int) -> dict[str, float]:
 
 def profile(host, adapter, rows_per_prompt: int = 8, prompts: int = 4, steps: int = 8, repeats: int = 3) -> dict:
     from server_mock.sampling import cache_rows
-    from server_mock.sampling.decode_batch import DecodeBatch, forward
+    from server_mock.sampling.batch_admission import forward
+    from server_mock.sampling.decode_batch import DecodeBatch
     from server_mock.sampling.generate import SampleSpec
     from server_mock.sampling.logprobs import EvalMode
     from server_mock.sampling.token_choice import next_tokens

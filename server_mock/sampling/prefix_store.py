@@ -3,7 +3,7 @@
 An evaluation or a GRPO step sends many prompts that start with the same tokens (a few-shot conversation, a system
 prompt) and differ at the end. ``PrefixStore`` keeps the cache of such a prefix (one row, every full-attention
 layer's keys and values) under the weights that computed it and the prefix's tokens; ``DecodeBatch`` prefills a
-new prompt's remaining tokens against a copy of it (decode_batch.py). How a prefix is found, as vLLM's automatic
+new prompt's remaining tokens against a copy of it (batch_admission.py). How a prefix is found, as vLLM's automatic
 prefix caching does but simpler:
 
 - the longest stored prefix of the prompt (shorter than the prompt: at least one token is prefilled anew), at a

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-__all__ = ["CANCELLED", "TokenStream"]
+__all__ = ["CANCELLED", "TokenStream", "stream_cancelled"]
 
 CANCELLED = "cancelled"  # the stop reason of a row whose stream was cancelled
 
@@ -22,3 +22,9 @@ class TokenStream(Protocol):
     def token(self, sample: int, position: int, token: int, logprob: float, finished: str | None) -> None:
         """Row ``sample`` of the request sampled ``token`` (its ``position``-th, from 0) with ``logprob``;
         ``finished``: the row's stop reason if this was its last token, else None."""
+
+
+def stream_cancelled(spec) -> bool:
+    """Whether a request's stream (its spec's ``stream``, if it has one) was cancelled."""
+    stream = getattr(spec, "stream", None)
+    return stream is not None and stream.cancelled

@@ -334,17 +334,18 @@ def test_the_sdks_concurrent_requests_get_the_same_answers_with_and_without_reus
 
 def _counting_forward(monkeypatch, fail_at: int | None = None) -> list[int]:
     """Count the decode batch's model calls by the tokens each feeds (``fail_at``: that call raises instead)."""
-    from server_mock.sampling import decode_batch
+    from server_mock.sampling import batch_admission, decode_batch
 
     calls: list[int] = []
-    real = decode_batch.forward
+    real = batch_admission.forward
 
     def counted(model, input_ids, *args, **kwargs):
         calls.append(int(input_ids.shape[1]))
         if fail_at is not None and len(calls) == fail_at:
             raise RuntimeError("out of memory (injected)")
         return real(model, input_ids, *args, **kwargs)
-    monkeypatch.setattr(decode_batch, "forward", counted)
+    for module in (batch_admission, decode_batch):  # the prefills' calls and the decode steps'
+        monkeypatch.setattr(module, "forward", counted)
     return calls
 
 

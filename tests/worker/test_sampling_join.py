@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from server_mock.engine.tiny_model import TINY_FAMILIES, build_tiny_model
-from server_mock.sampling import cache_rows, decode_batch
+from server_mock.sampling import batch_admission, cache_rows, decode_batch
 from server_mock.sampling.decode_batch import DecodeBatch
 from server_mock.sampling.generate import SampleSpec, SamplingSupport, generate, result_of, teacher_forced_logprobs
 from server_mock.sampling.token_choice import _exponential_race
@@ -146,13 +146,14 @@ def test_dead_rows_stay_until_a_quarter_of_the_rows_are_dead(tok, monkeypatch):
              SampleSpec(prompt_tokens=prompt, num_samples=6, max_tokens=8, seed=3, stop_token_ids=[])]
     solo = [generate(model, s, tok) for s in specs]
     shapes: list[int] = []
-    original = decode_batch.forward
+    original = batch_admission.forward
 
     def counting(model_, ids, *args, **kwargs):
         shapes.append(ids.shape[0])
         return original(model_, ids, *args, **kwargs)
 
-    monkeypatch.setattr(decode_batch, "forward", counting)
+    for module in (batch_admission, decode_batch):  # the prefill's call and the decode steps'
+        monkeypatch.setattr(module, "forward", counting)
     batch = DecodeBatch(model, tok)
     handles = batch.admit(specs)
     batch.run()
