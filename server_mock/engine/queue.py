@@ -46,6 +46,9 @@ class Job:
     # Jobs with the same mix_key may join a running decode batch of other weights, where that batch can hold rows
     # of several (``Decoding.mixes``): the same base model, and the same tenant unless tenants may share a batch.
     mix_key: str | None = None
+    # The weights a sample job decodes with (service/samplers.py): a batch's distinct ones are the adapters it holds,
+    # whether its jobs share a batch key (a host that mixes adapters per call) or not (a mixed decode session).
+    weights_key: str | None = None
     # Where the host decodes in slices: opens a Decoding for this job's weights (None: batch_fn runs the batch).
     open_decode: Callable[[], "Decoding | None"] | None = None
     # The submitter's conversion of the result to its wire form, run once on the model thread (None: as is).

@@ -23,6 +23,7 @@ WORKER = "(worker)"  # the tenant label of the worker's own jobs (loading a mode
 # few buckets and a fixed set of op labels: a histogram's series are what a scrape spends its time on
 SECONDS = (0.01, 0.05, 0.25, 1.0, 2.5, 10.0, 30.0, 120.0)
 ROWS = (1, 2, 4, 8, 16, 32, 64, 256)
+ADAPTERS = (1, 2, 3, 4, 6, 8, 16, 32, 64)
 OPS = ("forward_backward", "forward", "optim_step", "sample", "save_state", "save_weights_for_sampler", "load_state")
 OTHER_OP = "control"  # creating and deleting runs, reading a model's layout, exports, restores
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -60,6 +61,9 @@ class Metrics:
                                          ["tenant"], registry=r)
         self.batch_rows = Histogram(f"{PREFIX}_batch_rows", "rows the model ran together: the sample rows of a "
                                     "decode batch, or the datums of a forward op", buckets=ROWS, registry=r)
+        self.batch_adapters = Histogram(f"{PREFIX}_batch_adapters", "distinct sets of weights the model ran together "
+                                        "in one batch (a decode batch's adapters, the base model counting as one)",
+                                        buckets=ADAPTERS, registry=r)
         self.errors = Counter(f"{PREFIX}_errors", "requests refused and ops failed, by tenant and error code "
                               "(rate_limited: over --tokens-per-minute)", ["tenant", "code"], registry=r)
         self.rate_limited = Counter(f"{PREFIX}_rate_limited", "requests over their key's --tokens-per-minute: "

@@ -233,6 +233,7 @@ class Samplers:
                        else f"{tenant}|{sampler.base_model}")
         # a host that decodes each batch in one go and mixes adapters in it takes a mix key's jobs as one batch
         job.batch_key = job.mix_key if host.mixed_batches else batch_key
+        job.weights_key = weights_key
         job.payload = (spec, return_text, load)
         job.batch_fn = lambda payloads: _sample_together(host, payloads)
         job.batch_cost = spec.num_samples * (len(spec.prompt_tokens) + spec.max_tokens)

@@ -35,6 +35,12 @@ def rows_of(job: Job) -> int:
     return 1
 
 
+def adapters_of(jobs: list[Job]) -> int:
+    """The distinct sets of weights of jobs that run together: a sample job's ``weights_key`` (other jobs: each
+    batch key, else each run or request, is one)."""
+    return len({job.weights_key or job.batch_key or job.scope or job.request_id for job in jobs})
+
+
 class Usage:
     def __init__(self, budgets: TokenBudgets | None = None) -> None:
         self.metrics = Metrics()
@@ -61,6 +67,7 @@ class Usage:
         try:
             if jobs:
                 self.metrics.batch_rows.observe(sum(rows_of(job) for job in jobs))
+                self.metrics.batch_adapters.observe(adapters_of(jobs))
                 self._running(jobs)
         except Exception as exc:  # noqa: BLE001
             self._failed(exc)
@@ -129,7 +136,7 @@ class Usage:
         """What this model thread runs now (the console's "running batch"; one entry per model thread)."""
         self.activity.running(threading.current_thread().name, Running(
             kind=jobs[0].kind, rows=sum(rows_of(job) for job in jobs),
-            adapters=len({job.batch_key or job.scope or job.request_id for job in jobs}),
+            adapters=adapters_of(jobs),
             tenants=sorted({tenant_label(job.owner) for job in jobs}), tokens=sum(job.tokens for job in jobs),
             since=time.time(), open={job.request_id for job in jobs}))
 

@@ -22,6 +22,7 @@ FAMILIES = {  # name as the parser gives it (a counter's without _total) -> type
     "pytrio_worker_op_duration_seconds": "histogram", "pytrio_worker_queue_wait_seconds": "histogram",
     "pytrio_worker_generation_tokens": "counter", "pytrio_worker_prefill_tokens": "counter",
     "pytrio_worker_train_tokens": "counter", "pytrio_worker_batch_rows": "histogram",
+    "pytrio_worker_batch_adapters": "histogram",
     "pytrio_worker_adapters_resident": "gauge", "pytrio_worker_adapter_memory_bytes": "gauge",
     "pytrio_worker_device_memory_bytes": "gauge", "pytrio_worker_errors": "counter",
     "pytrio_worker_rate_limited": "counter", "process_resident_memory_bytes": "gauge",
@@ -128,6 +129,82 @@ def test_queue_depth_counts_waiting_jobs_by_tenant_and_op(worker, client):
         time.sleep(0.01)
     _, families = scrape(worker.url)
     assert value(families, "pytrio_worker_queue_depth", "pytrio_worker_queue_depth", tenant="tenant-a") == 0
+
+
+def _batches_of(families: dict, adapters: int) -> float:
+    """Batches the metric saw with exactly ``adapters`` sets of weights (its buckets are 1, 2, 3, 4, ...)."""
+    family, bucket = "pytrio_worker_batch_adapters", "pytrio_worker_batch_adapters_bucket"
+    return value(families, family, bucket, le=f"{float(adapters)}") - value(families, family, bucket,
+                                                                            le=f"{float(adapters - 1)}")
+
+
+def test_a_mixed_decode_batch_of_three_adapters_is_reported_as_three(worker, client):
+    """Three adapters' requests queued behind a held model thread decode as one mixed batch (the local backend's
+    decode session): the console's running batch and ``batch_adapters`` count three sets of weights, not one."""
+    samplers = [client.create_lora_training_client("tiny", rank=4, seed=20 + i).save_weights_and_get_sampling_client()
+                for i in range(3)]
+    queue = worker.service.models.sampling_queue("tiny")
+    gate, running = threading.Event(), threading.Event()
+
+    def hold() -> dict:
+        running.set()
+        gate.wait(30)
+        return {}
+
+    _, before = scrape(worker.url)
+    seen: list[dict] = []
+    observed = worker.service.usage.activity.running
+
+    def spy(thread, batch):
+        if batch is not None and batch.kind == "sample":
+            seen.append({"adapters": batch.adapters, "rows": batch.rows})
+        observed(thread, batch)
+
+    worker.service.usage.activity.running = spy
+    try:
+        queue.put(Job("hold-mixed", "hold", hold, owner=tenant_id(TENANT_KEY)))
+        assert running.wait(10)
+        prompt = trio.ModelInput.from_ints([5, 6, 7, 8])
+        params = trio.SamplingParams(max_tokens=8, temperature=0.0, stop=[])
+        futures = [s.sample(prompt, num_samples=2, sampling_params=params) for s in samplers]
+        deadline = time.monotonic() + 10
+        while queue.depth() < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        gate.set()
+        for future in futures:
+            future.result()
+    finally:
+        gate.set()
+        worker.service.usage.activity.running = observed
+    _, after = scrape(worker.url)
+    assert {"adapters": 3, "rows": 6} in seen, seen
+    assert max(b["adapters"] for b in seen) == 3
+    assert _batches_of(after, 3) - _batches_of(before, 3) >= 1
+    family = "pytrio_worker_batch_adapters"
+    up_to_three, count = (family, f"{family}_bucket"), (family, f"{family}_count")
+    assert (value(after, *up_to_three, le="3.0") - value(before, *up_to_three, le="3.0")
+            == value(after, *count) - value(before, *count))  # none of more than three
+
+
+def test_a_batch_of_one_mix_key_counts_its_distinct_weights():
+    """A host that takes a mix key's jobs as one batch (the Ray replicas) gives them one batch key: the batch still
+    counts the distinct weights its jobs hold."""
+    from server_mock.service.usage import Usage
+
+    usage = Usage()
+    jobs = []
+    for i, weights in enumerate(["tiny:a", "tiny:b", "tiny:c", "tiny:a"]):
+        job = Job(f"r{i}", "sample", dict, owner="t", batch_key="t|tiny", scope=f"sampler-{weights}")
+        job.weights_key = weights
+        jobs.append(job)
+    usage.batch(jobs)
+    (running,) = usage.activity.snapshot()["running"]
+    assert running["adapters"] == 3 and running["rows"] == 4
+    samples = {(s.name, s.labels.get("le")): s.value for family in usage.metrics.registry.collect()
+               if family.name == "pytrio_worker_batch_adapters" for s in family.samples}
+    assert samples[("pytrio_worker_batch_adapters_sum", None)] == 3
+    assert samples[("pytrio_worker_batch_adapters_bucket", "2.0")] == 0
+    assert samples[("pytrio_worker_batch_adapters_bucket", "3.0")] == 1
 
 
 def test_answers_are_counted_by_protocol_and_code(worker):
