@@ -101,9 +101,8 @@ def test_token_counters_move_by_exactly_what_ran(worker, client):
     assert value(after, *waited, op="sample") - value(after_train, *waited, op="sample") == 2
 
 
-def test_queue_depth_counts_waiting_jobs_by_tenant_and_op(worker, client):
-    client.create_lora_training_client("tiny", rank=4)
-    queue = worker.service.models.queue("tiny")
+def _hold(queue, request_id: str, owner: str) -> threading.Event:
+    """Occupy the queue's model thread with a job of ``owner`` until the returned event is set (30 s at most)."""
     gate, running = threading.Event(), threading.Event()
 
     def hold() -> dict:
@@ -111,8 +110,15 @@ def test_queue_depth_counts_waiting_jobs_by_tenant_and_op(worker, client):
         gate.wait(30)
         return {}
 
-    queue.put(Job("hold", "hold", hold, owner="tenant-x"))
+    queue.put(Job(request_id, "hold", hold, owner=owner))
     assert running.wait(10)
+    return gate
+
+
+def test_queue_depth_counts_waiting_jobs_by_tenant_and_op(worker, client):
+    client.create_lora_training_client("tiny", rank=4)
+    queue = worker.service.models.queue("tiny")
+    gate = _hold(queue, "hold", "tenant-x")
     for i in range(3):
         queue.put(Job(f"a{i}", "forward_backward", dict, owner="tenant-a"))
     queue.put(Job("b0", "sample", dict, owner="tenant-b"))
@@ -144,13 +150,6 @@ def test_a_mixed_decode_batch_of_three_adapters_is_reported_as_three(worker, cli
     samplers = [client.create_lora_training_client("tiny", rank=4, seed=20 + i).save_weights_and_get_sampling_client()
                 for i in range(3)]
     queue = worker.service.models.sampling_queue("tiny")
-    gate, running = threading.Event(), threading.Event()
-
-    def hold() -> dict:
-        running.set()
-        gate.wait(30)
-        return {}
-
     _, before = scrape(worker.url)
     seen: list[dict] = []
     observed = worker.service.usage.activity.running
@@ -162,8 +161,7 @@ def test_a_mixed_decode_batch_of_three_adapters_is_reported_as_three(worker, cli
 
     worker.service.usage.activity.running = spy
     try:
-        queue.put(Job("hold-mixed", "hold", hold, owner=tenant_id(TENANT_KEY)))
-        assert running.wait(10)
+        gate = _hold(queue, "hold-mixed", tenant_id(TENANT_KEY))
         prompt = trio.ModelInput.from_ints([5, 6, 7, 8])
         params = trio.SamplingParams(max_tokens=8, temperature=0.0, stop=[])
         futures = [s.sample(prompt, num_samples=2, sampling_params=params) for s in samplers]
@@ -174,7 +172,6 @@ def test_a_mixed_decode_batch_of_three_adapters_is_reported_as_three(worker, cli
         for future in futures:
             future.result()
     finally:
-        gate.set()
         worker.service.usage.activity.running = observed
     _, after = scrape(worker.url)
     assert {"adapters": 3, "rows": 6} in seen, seen
