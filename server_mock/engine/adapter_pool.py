@@ -28,7 +28,7 @@ import torch
 
 from server_mock.lora import LORA_ALPHA, Snapshot
 
-__all__ = ["AdapterPool", "PoolBudget", "PoolEntry", "RANK_BUCKETS", "rank_bucket"]
+__all__ = ["AdapterPool", "PoolBudget", "PoolEntry", "RANK_BUCKETS", "entry_nbytes", "rank_bucket"]
 
 RANK_BUCKETS = (8, 16, 32, 64, 128, 256)
 
@@ -81,20 +81,34 @@ def _module_of(key: str) -> tuple[str, str] | None:
     return None
 
 
-def prepare(snapshot: Snapshot, dtype: torch.dtype, device) -> PoolEntry:
-    """A snapshot's LoRA in the pool's layout (see the module docstring)."""
-    rank = int(snapshot.spec.rank)
-    bucket = rank_bucket(rank)
-    scale = LORA_ALPHA / rank
+def _halves(snapshot: Snapshot) -> list[tuple[str, dict[str, torch.Tensor]]]:
+    """Each adapted layer's ``{"A": lora_A, "B": lora_B}``, by module name."""
     halves: dict[str, dict[str, torch.Tensor]] = collections.defaultdict(dict)
     for key, tensor in snapshot.tensors.items():
         where = _module_of(key)
         if where is not None:
             halves[where[0]][where[1]] = tensor
-    layers, nbytes = {}, 0
-    for module, ab in sorted(halves.items()):
+    for module, ab in halves.items():
         if set(ab) != {"A", "B"}:
             raise ValueError(f"snapshot {snapshot.snapshot_id}: layer {module} lacks lora_A or lora_B")
+    return sorted(halves.items())
+
+
+def entry_nbytes(snapshot: Snapshot, dtype: torch.dtype) -> int:
+    """The bytes ``prepare`` gives the snapshot's entry (from the tensors' shapes, nothing allocated): where the
+    entry is built elsewhere (a sampler replica), what it will take there."""
+    bucket = rank_bucket(int(snapshot.spec.rank))
+    size = torch.empty((), dtype=dtype).element_size()
+    return sum((ab["A"].shape[1] + ab["B"].shape[0]) * bucket * size for _, ab in _halves(snapshot))
+
+
+def prepare(snapshot: Snapshot, dtype: torch.dtype, device) -> PoolEntry:
+    """A snapshot's LoRA in the pool's layout (see the module docstring)."""
+    rank = int(snapshot.spec.rank)
+    bucket = rank_bucket(rank)
+    scale = LORA_ALPHA / rank
+    layers, nbytes = {}, 0
+    for module, ab in _halves(snapshot):
         a, b = ab["A"].to(device=device, dtype=torch.float32), ab["B"].to(device=device, dtype=torch.float32)
         if a.shape[0] != rank or b.shape[1] != rank:
             raise ValueError(f"snapshot {snapshot.snapshot_id}: layer {module} is not rank {rank}")
@@ -131,6 +145,11 @@ class AdapterPool:
 
     def __contains__(self, key: str) -> bool:
         return key in self._entries
+
+    def resident(self) -> dict[str, int]:
+        """Each resident entry's bytes, least recently used first."""
+        with self._lock:
+            return {key: entry.nbytes for key, entry in self._entries.items()}
 
     def keys(self) -> list[str]:
         """Resident snapshot ids, least recently used first."""

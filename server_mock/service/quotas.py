@@ -125,6 +125,11 @@ class ByteBudget:
             if self._check(tenant, size, needs, refuse=True) == 0:
                 self._add(key, tenant, size)
 
+    def room(self) -> int:
+        """The bytes the worker's total can still hold."""
+        with self._lock:
+            return self.total - self.held
+
     def take_shared(self, key: str, size: int, needs: str) -> None:
         """Charge ``size`` bytes for ``key`` to the worker's total only (no tenant's share)."""
         with self._lock:
@@ -192,3 +197,10 @@ class PoolCharge:
 
     def release(self, key: str) -> None:
         self.budget.give_back(f"pool\x00{self.model}\x00{key}")
+
+    def room(self) -> int:
+        return self.budget.room()
+
+    @property
+    def total(self) -> int:
+        return self.budget.total
