@@ -12,6 +12,7 @@ import functools
 import os
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -158,6 +159,7 @@ class SamplerReplica:
         self.snapshots: collections.OrderedDict[str, object] = collections.OrderedDict()
         self.fetched = 0
         self.batches = 0
+        self.calls = 0  # sample and drop calls run, numbering their reports (cluster/replica_adapters.py)
         self.weights_per_batch: collections.Counter[int] = collections.Counter()  # calls by sets of weights
 
     def ping(self) -> int:
@@ -171,7 +173,8 @@ class SamplerReplica:
         pool = self.host.adapter_pool
         return {"index": self.index, "pid": os.getpid(), "fetched": self.fetched, "batches": self.batches,
                 "weights_per_batch": dict(self.weights_per_batch), "snapshots": list(self.snapshots),
-                "pool": None if pool is None else {"entries": pool.keys(), "loads": pool.stats.loads,
+                "pool": None if pool is None else {"entries": pool.keys(), "resident": pool.resident(),
+                                                   "loads": pool.stats.loads,
                                                    "hits": pool.stats.hits, "evictions": pool.stats.evictions}}
 
     def _snapshot(self, snapshot_id: str | None, holder: list | None):
@@ -188,6 +191,21 @@ class SamplerReplica:
             self.snapshots.move_to_end(snapshot_id)
         return snap
 
+    def _report(self):
+        """What the adapter pool holds after this call (the front end charges it to the worker's budget)."""
+        from server_mock.cluster.replica_adapters import Report
+
+        self.calls += 1
+        pool = self.host.adapter_pool
+        return Report(os.getpid(), self.calls, {} if pool is None else pool.resident())
+
+    def drop(self, snapshot_ids: list[str]):
+        """Drop these snapshots and what the host derived from them (the front end evicts them to make room)."""
+        for snapshot_id in snapshot_ids:
+            self.snapshots.pop(snapshot_id, None)
+            self.host.forget_snapshot(snapshot_id)
+        return self._report()
+
     def _trim(self, running: set) -> None:
         """Drop the least recently used snapshots beyond ``keep``, but not those of the running call."""
         for snapshot_id in list(self.snapshots):
@@ -197,9 +215,9 @@ class SamplerReplica:
                 del self.snapshots[snapshot_id]
                 self.host.forget_snapshot(snapshot_id)
 
-    def sample_groups(self, groups: list[tuple[str | None, list | None, list]]) -> tuple[list[list], dict, int]:
+    def sample_groups(self, groups: list[tuple[str | None, list | None, list]]) -> tuple[list[list], dict, int, Any]:
         """Sample ``(snapshot id, holder, specs)`` groups as one batch: each group's results in order, the batch's
-        timings and this replica's index."""
+        timings, this replica's index and what its adapter pool holds after it (``Report``)."""
         snapshots = [self._snapshot(snapshot_id, holder) for snapshot_id, holder, _ in groups]
         self._trim({snapshot_id for snapshot_id, _, _ in groups})
         requests = [(snap, spec) for snap, (_, _, specs) in zip(snapshots, groups) for spec in specs]
@@ -211,4 +229,4 @@ class SamplerReplica:
         for _, _, specs in groups:
             out.append(flat[start:start + len(specs)])
             start += len(specs)
-        return out, timings, self.index
+        return out, timings, self.index, self._report()

@@ -96,10 +96,10 @@ class Cluster:
         self.storage = storage
         self.hosts = []
 
-    def model_host(self, name: str, source: str, device: str, dtype, max_seq_len, options):
+    def model_host(self, name: str, source: str, device: str, dtype, max_seq_len, options, adapter_budget=None):
         from server_mock.cluster.remote_host import RemoteModelHost
 
-        host = RemoteModelHost(self, name, source, dtype, max_seq_len, options)
+        host = RemoteModelHost(self, name, source, dtype, max_seq_len, options, adapter_budget=adapter_budget)
         self.hosts.append(host)
         return host
 

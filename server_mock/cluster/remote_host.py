@@ -19,9 +19,11 @@ from dataclasses import dataclass, field
 import torch
 
 from server_mock.cluster import data_parallel
+from server_mock.cluster.replica_adapters import ReplicaBudget
 from server_mock.cluster.sampler_pool import SamplerPool
 from server_mock.cluster.trainer_group import GroupLost, TrainerGroup, raise_refusals
 from server_mock.config import TrainOptions
+from server_mock.engine.adapter_pool import entry_nbytes
 from server_mock.engine.host import ModelFacts
 from server_mock.engine.queue import ModelQueue
 from server_mock.errors import WorkerError
@@ -86,7 +88,7 @@ class RemoteModelHost(ModelFacts):
     """A ``ModelHost`` (engine/host.py) whose model lives on Ray actors (see the module docstring)."""
 
     def __init__(self, cluster, name: str, source: str, dtype: torch.dtype, max_seq_len: int | None,
-                 options: TrainOptions) -> None:
+                 options: TrainOptions, adapter_budget: ReplicaBudget | None = None) -> None:
         config = cluster.config
         self.cluster = cluster
         self.name = name
@@ -111,7 +113,8 @@ class RemoteModelHost(ModelFacts):
         logger.info("starting %d sampler replica(s) and %d trainer group(s) x %d rank(s) of %s on the cluster "
                     "(actors %s/...)", config.sampler_replicas, config.trainer_groups, config.train_replicas, name,
                     self.prefix)
-        self.pool = SamplerPool(self.prefix, config, self._host_args)
+        # the replicas' adapter pool entries count against --max-adapter-bytes-total (cluster/replica_adapters.py)
+        self.pool = SamplerPool(self.prefix, config, self._host_args, adapter_budget=adapter_budget)
         self.groups = [TrainerGroup.start(i, self.prefix, config, self._host_args)
                        for i in range(config.trainer_groups)]
 
@@ -149,7 +152,7 @@ class RemoteModelHost(ModelFacts):
         groups: dict[str | None, tuple[Snapshot | None, list[int]]] = {}
         for i, (snapshot, _) in enumerate(requests):
             groups.setdefault(None if snapshot is None else snapshot.snapshot_id, (snapshot, []))[1].append(i)
-        wire, costs = [], []
+        wire, costs, sizes = [], [], {}
         for snapshot_id, (snapshot, indices) in groups.items():
             # a request's token stream stays in this process: the replica decodes without it (its tokens come at
             # the end)
@@ -157,7 +160,9 @@ class RemoteModelHost(ModelFacts):
             holder = None if snapshot is None else [self._publish(snapshot)]  # in a list: the replica fetches it
             wire.append((snapshot_id, holder, specs))
             costs.append([s.num_samples * (len(s.prompt_tokens) + s.max_tokens) for s in specs])
-        results, replica_timings, index = self.pool.sample_groups(wire, costs)
+            if snapshot is not None:
+                sizes[snapshot_id] = entry_nbytes(snapshot, self.dtype)
+        results, replica_timings, index = self.pool.sample_groups(wire, costs, sizes)
         timings.update(replica_timings)
         timings["replica"] = float(index)
         out: list = [None] * len(requests)
@@ -165,6 +170,11 @@ class RemoteModelHost(ModelFacts):
             for i, result in zip(indices, got):
                 out[i] = result
         return out
+
+    def reclaim_adapters(self, size: int) -> int:
+        """Drop the replicas' least recently used adapter pool entries not in use until ``size`` bytes are freed;
+        the bytes freed (the worker's adapter budget asks, when a training run needs them)."""
+        return self.pool.adapters.reclaim(size)
 
     def sampling_session(self, snapshot: Snapshot | None, defer: bool = False) -> None:
         """None: a replica decodes each batch in one go (the replicas' own threads keep other tenants moving)."""

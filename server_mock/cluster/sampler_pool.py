@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from server_mock.cluster.actors import SamplerReplica
 from server_mock.cluster.config import NAMESPACE
 from server_mock.cluster.data_parallel import split_by_tokens
+from server_mock.cluster.replica_adapters import ReplicaAdapters, ReplicaBudget
 from server_mock.errors import WorkerError
 
 logger = logging.getLogger("server_mock")
@@ -27,7 +28,12 @@ RETRY_FOR = 600.0  # seconds a batch keeps looking for a live replica (one resta
 
 
 class SamplerPool:
-    def __init__(self, prefix: str, config, host_args: tuple, start_timeout: float = 900.0) -> None:
+    """The replicas of one model. ``adapter_budget``: where the replicas' adapter pool entries are charged beside the
+    worker's other adapter memory (``--max-adapter-bytes-total``; service/quotas.py's ``PoolCharge``, the books in
+    cluster/replica_adapters.py; None: they are not)."""
+
+    def __init__(self, prefix: str, config, host_args: tuple, start_timeout: float = 900.0,
+                 adapter_budget: ReplicaBudget | None = None) -> None:
         import ray
 
         actor = ray.remote(SamplerReplica)
@@ -49,6 +55,10 @@ class SamplerPool:
                                                    "(the cluster may not have room for them)") from None
         # every replica holds the same model and options: whether one call's adapters decode as one batch
         self.can_mix = all(ray.get([r.can_mix.remote() for r in self.replicas], timeout=start_timeout))
+        # a call of one set of weights decodes on its merged copy, not on the pool, unless --batch-invariant
+        # (LocalModelHost.sample_mixed)
+        self.pool_alone = bool(host_args[5].batch_invariant)
+        self.adapters = ReplicaAdapters(adapter_budget, self._drop)
 
     def _pick(self, cost: int) -> int:
         now = time.monotonic()
@@ -60,9 +70,15 @@ class SamplerPool:
             self.load[index] += cost
             return index
 
-    def sample_groups(self, groups: list[tuple[str | None, list | None, list]], costs: list[list[int]]
-                      ) -> tuple[list[list], dict, int]:
-        """Sample a coalesced batch of ``(snapshot id, holder, specs)`` groups (``costs``: each spec's tokens): each
+    def _drop(self, index: int, snapshot_ids: list[str]) -> None:
+        """Ask a replica to drop snapshots (evicted by the books); not waited for: it runs after the calls sent to it
+        before, and a replica that is gone holds nothing."""
+        self.replicas[index].drop.remote(snapshot_ids).future().add_done_callback(lambda done: done.exception())
+
+    def sample_groups(self, groups: list[tuple[str | None, list | None, list]], costs: list[list[int]],
+                      sizes: dict[str, int] | None = None) -> tuple[list[list], dict, int]:
+        """Sample a coalesced batch of ``(snapshot id, holder, specs)`` groups (``costs``: each spec's tokens;
+        ``sizes``: each snapshot's adapter pool entry bytes, charged where a replica decodes it mixed): each
         group's results in order, the timings and the index of a replica that ran it. The batch is split over the
         idle replicas (sampling is seeded per row, so where a request runs does not change its result): whole groups
         where no group outweighs a replica's share (each replica then fetches and loads fewer adapters), else request
@@ -85,7 +101,7 @@ class SamplerPool:
             for g, j in shard:
                 members.setdefault(g, []).append(j)
             part = [(groups[g][0], groups[g][1], [groups[g][2][j] for j in js]) for g, js in members.items()]
-            results, timings, index = self._sample_on_one(part, sum(costs[g][j] for g, j in shard))
+            results, timings, index = self._sample_on_one(part, sum(costs[g][j] for g, j in shard), sizes or {})
             return [((g, j), result) for (g, js), got in zip(members.items(), results)
                     for j, result in zip(js, got)], timings, index
 
@@ -99,15 +115,27 @@ class SamplerPool:
                 timings[key] = max(timings.get(key, 0.0), value)
         return results, timings, ran[0][2]
 
-    def _sample_on_one(self, groups: list, cost: int) -> tuple[list, dict, int]:
+    def _sample_on_one(self, groups: list, cost: int, sizes: dict[str, int]) -> tuple[list, dict, int]:
+        """One call to one replica (the least loaded), its adapters charged there first (``ReplicaAdapters``)."""
         import ray
 
         deadline = time.monotonic() + RETRY_FOR
+        mine = {sid: sizes[sid] for sid, _, _ in groups if sid is not None and sid in sizes}
+        pooled = self.can_mix and (len(groups) > 1 or self.pool_alone)
         while True:
             index = self._pick(cost)
+            report, lost = None, False
             try:
-                return ray.get(self.replicas[index].sample_groups.remote(groups))
+                self.adapters.reserve(index, mine, pooled)
+            except WorkerError:
+                with self._lock:
+                    self.load[index] -= cost
+                raise
+            try:
+                results, timings, where, report = ray.get(self.replicas[index].sample_groups.remote(groups))
+                return results, timings, where
             except ray.exceptions.RayActorError as exc:
+                lost = True
                 with self._lock:
                     self.failed_at[index] = time.monotonic()
                     self.retries += 1
@@ -118,6 +146,7 @@ class SamplerPool:
                                       f"no sampler replica answered within {RETRY_FOR:g}s; retry later") from None
                 time.sleep(0.2)
             finally:
+                self.adapters.settle(index, mine, report, lost)
                 with self._lock:
                     self.load[index] -= cost
 
@@ -125,6 +154,7 @@ class SamplerPool:
         import ray
 
         self._executor.shutdown(wait=False)
+        self.adapters.forget()
         for replica in self.replicas:
             try:
                 ray.kill(replica, no_restart=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import fnmatch
+import functools
 import logging
 import os
 import tempfile
@@ -95,7 +96,9 @@ class Models:
             if name not in self.hosts:
                 logger.info("loading model %s from %s", name, source)
                 try:
-                    make_host = self.cluster.model_host if self.cluster is not None else LocalModelHost
+                    make_host = LocalModelHost
+                    if self.cluster is not None:  # the replicas' adapter pools are charged from the front end
+                        make_host = functools.partial(self.cluster.model_host, adapter_budget=self._pool_charge(name))
                     host = await asyncio.to_thread(make_host, name, source, self.device, self.dtype,
                                                    self.limits.max_seq_len, self.train_options)
                 except Exception as exc:  # noqa: BLE001 - report why the model could not load
@@ -117,13 +120,21 @@ class Models:
                 self.hosts[name] = host
         return self.hosts[name]
 
+    def _pool_charge(self, name: str) -> PoolCharge | None:
+        return None if self.adapter_memory is None else PoolCharge(self.adapter_memory, name)
+
     def _charge_pool(self, name: str, host: ModelHost) -> None:
-        """Count the host's resident sampler adapters in the worker's adapter budget (the training runs' too)."""
-        pool = getattr(host, "adapter_pool", None)
-        if pool is None or self.adapter_memory is None:
+        """Count the host's resident sampler adapters in the worker's adapter budget (the training runs' too): a
+        local host's adapter pool, or (charged since the host was made) its sampler replicas' pools."""
+        if self.adapter_memory is None:
             return
-        pool.budget = PoolCharge(self.adapter_memory, name)
-        self.adapter_memory.reclaimers.append(pool.reclaim)
+        reclaim = getattr(host, "reclaim_adapters", None)
+        pool = getattr(host, "adapter_pool", None)
+        if reclaim is None and pool is not None:
+            pool.budget = self._pool_charge(name)
+            reclaim = pool.reclaim
+        if reclaim is not None:
+            self.adapter_memory.reclaimers.append(reclaim)
 
     async def lora_layout(self, name: str, owner: str = "") -> dict[str, Layer]:
         """The model's LoRA-able layers (read once, on the model's thread: PEFT may be wrapping them)."""

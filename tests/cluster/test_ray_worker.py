@@ -188,7 +188,7 @@ def test_a_replica_keeps_the_weights_of_at_most_keep_snapshots_beside_its_runnin
     solo = [host.sample_batch(snap, [spec], {})[0] for snap in snaps]  # merged copies for all four
     host._merged.clear()
 
-    results, _, _ = replica.sample_groups([(s.snapshot_id, h, [spec]) for s, h in zip(snaps[:3], holders[:3])])
+    results, _, _, _ = replica.sample_groups([(s.snapshot_id, h, [spec]) for s, h in zip(snaps[:3], holders[:3])])
     assert replica.weights_per_batch == {3: 1} and replica.fetched == 3
     assert list(replica.snapshots) == [s.snapshot_id for s in snaps[:3]]  # more than keep: the call's own
     assert set(host.adapter_pool.keys()) == set(replica.snapshots)
