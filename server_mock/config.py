@@ -161,7 +161,8 @@ class Limits:
                                         "of --max-adapter-bytes-total", minimum=0, why="0 is the default",
                                      group="tenants")
     max_adapter_bytes_total: int = setting(0, "memory the training runs of all keys and the sampler adapters "
-                                              "resident in the adapter pool may hold together (pool entries are "
+                                              "resident in the adapter pools (the sampler replicas' too, with "
+                                              "--ray) may hold together (pool entries are "
                                               "evicted first); 0: half of the device's memory (the GPU's, or RAM "
                                               "on the CPU)", minimum=0,
                                            why="0 is the default", group="tenants")

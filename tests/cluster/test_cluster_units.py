@@ -88,3 +88,31 @@ def test_merge_adds_kl_and_entropy_sums_and_recomputes_their_means():
     plain = merge_results(shards, [{"outputs": r["outputs"], "metrics": {"loss_sum": 1.0, "token_count": 2.0}}
                                    for r in results], 2)["metrics"]
     assert set(plain) == {"loss_sum", "loss_mean", "token_count", "loss:sum"}
+
+
+def test_replica_books_keep_pinned_entries_skip_stale_reports_and_forget_a_lost_replica():
+    """The front end's books of the replicas' pool entries (cluster/replica_adapters.py) against a real
+    ``ByteBudget``: a running call's snapshots are never reclaimed; an older report than one taken changes
+    nothing; a replica lost gives its charges back; a reserve refused leaves the budget as it was."""
+    from server_mock.cluster.replica_adapters import ReplicaAdapters, Report
+    from server_mock.service.quotas import ByteBudget, PoolCharge
+
+    budget = ByteBudget(1 << 40, 300, "lora", "max_adapter_bytes", "max_adapter_bytes_total")
+    dropped: list[tuple[int, list[str]]] = []
+    books = ReplicaAdapters(PoolCharge(budget, "tiny"), lambda replica, ids: dropped.append((replica, ids)))
+    books.reserve(0, {"a": 100, "b": 100}, pooled=True)  # a running call on replica 0
+    assert budget.held == budget.shared == 200
+    assert books.reclaim(200) == 0 and budget.held == 200 and not dropped  # pinned: kept
+    books.settle(0, {"a": 100, "b": 100}, Report(7, 2, {"a": 100, "b": 100}))
+    books.settle(0, {}, Report(7, 1, {}))  # stale: replica 0's call 1 ended before call 2
+    assert books.charged(0) == {"a": 100, "b": 100}
+    books.reserve(1, {"c": 100}, pooled=False)  # one set of weights: pinned, nothing charged
+    books.settle(1, {"c": 100}, Report(8, 1, {}))
+    assert budget.held == 200
+    with pytest.raises(WorkerError, match="--max-adapter-bytes-total=300"):
+        books.reserve(1, {"c": 100, "d": 100, "e": 100, "f": 100}, pooled=True)
+    assert budget.held == 200 and not dropped and books.charged(1) == {}
+    books.reserve(1, {"c": 100, "d": 100}, pooled=True)  # 100 missing: replica 0's oldest entry goes
+    assert dropped == [(0, ["a"])] and budget.held == 300 and books.charged(0) == {"b": 100}
+    books.settle(1, {"c": 100, "d": 100}, None, lost=True)
+    assert books.charged(1) == {} and budget.held == 100
