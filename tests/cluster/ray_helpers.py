@@ -23,12 +23,19 @@ def _e2e_numerics():
 E2E = _e2e_numerics()
 
 
+ADMIN_KEY = "ray-operator-key-0123"  # reads the Ray worker's /metrics (an operator key, no tenant)
+
+
 def running_ray_worker(address: str, model_dir: Path, root: Path, trainer_groups: int
                        ) -> AbstractContextManager[WorkerProcess]:
-    """A worker on the cluster at ``address``: 2 sampler replicas, ``trainer_groups`` groups of 2 ranks; stopped
-    after the block. Each test module starts its own (a module-scoped ``ray_worker`` fixture)."""
+    """A worker on the cluster at ``address``: 2 sampler replicas, ``trainer_groups`` groups of 2 ranks, operator
+    key ``ADMIN_KEY``; stopped after the block. Each test module starts its own (a module-scoped ``ray_worker``
+    fixture)."""
+    admin_keys = root / "admin-keys.txt"
+    admin_keys.write_text(ADMIN_KEY + "\n")
     return running_worker(model_dir, root, "--ray", address, "--sampler-replicas", "2", "--train-replicas", "2",
-                          "--trainer-groups", str(trainer_groups), "--cpus-per-replica", "1")
+                          "--trainer-groups", str(trainer_groups), "--cpus-per-replica", "1",
+                          "--admin-key-file", str(admin_keys))
 
 
 def named_actors(kind: str) -> dict[str, object]:

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -17,7 +18,7 @@ from support import REPO, moved_state
 
 import pytrio_compat as trio
 
-from .ray_helpers import E2E, named_actors, running_ray_worker, trainer_runs
+from .ray_helpers import ADMIN_KEY, E2E, named_actors, running_ray_worker, trainer_runs
 
 ray = pytest.importorskip("ray", reason="the cluster extra (pip install -e .[cluster]) is not installed")
 pytestmark = pytest.mark.timeout(600)
@@ -123,7 +124,17 @@ def _replica_stats() -> dict[str, dict]:
     return {n: ray.get(a.stats.remote(), timeout=60) for n, a in named_actors("sampler").items()}
 
 
-def test_requests_of_several_adapters_sent_together_decode_in_one_replica_call(ray_service):
+def _adapters_histogram(worker) -> dict[str, float]:
+    """The worker's ``batch_adapters`` histogram: its cumulative bucket counts by upper bound."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    answer = httpx.get(worker.base_url + "/metrics", headers={"x-admin-key": ADMIN_KEY})
+    assert answer.status_code == 200
+    return {s.labels["le"]: s.value for f in text_string_to_metric_families(answer.text)
+            if f.name == "pytrio_worker_batch_adapters" for s in f.samples if s.name.endswith("_bucket")}
+
+
+def test_requests_of_several_adapters_sent_together_decode_in_one_replica_call(ray_service, ray_worker):
     """Four adapters' requests (ranks 4, 8, 16, 8) queued together go to one sampler replica as one call and decode
     there as one mixed batch (its adapter pool serves every adapter); each request gets the greedy tokens it gets
     alone, logprobs within 1e-4. Two long base-model requests hold both replicas first, so the four wait in the
@@ -137,7 +148,7 @@ def test_requests_of_several_adapters_sent_together_decode_in_one_replica_call(r
 
     base = ray_service.create_sampling_client(base_model="tiny")
     long = trio.SamplingParams(max_tokens=1000, temperature=1.0, seed=1, stop=[])
-    before = _replica_stats()
+    before, histogram = _replica_stats(), _adapters_histogram(ray_worker)
     blockers = []
     for _ in range(2):  # one after the other: each is a batch of its own, on its own replica
         blockers.append(base.sample(prompt, num_samples=16, sampling_params=long))
@@ -146,6 +157,10 @@ def test_requests_of_several_adapters_sent_together_decode_in_one_replica_call(r
     for blocker in blockers:
         blocker.result()
     after = _replica_stats()
+    moved = {le: count - histogram.get(le, 0.0) for le, count in _adapters_histogram(ray_worker).items()}
+    # the four adapters' batch (one mix key, so one batch key) counts four sets of weights (the blockers ran alone:
+    # a batch of one request is not observed)
+    assert moved["3.0"] == 0 and moved["4.0"] == moved["+Inf"] == 1, moved
 
     wide = sum(after[n]["weights_per_batch"].get(len(samplers), 0) - before[n]["weights_per_batch"].get(
         len(samplers), 0) for n in after)
