@@ -12,6 +12,7 @@ import threading
 
 import httpx
 import openai
+import numpy as np
 import pytest
 from streaming_support import KEY, StepGate, in_process_worker, wait_until
 
@@ -328,7 +329,11 @@ def test_streamed_completions_of_two_prompts_equal_the_unstreamed_answers(client
     assert sorted(text) == [0, 1, 2, 3]
     for choice in plain.choices:
         assert text[choice.index] == choice.text
-        assert tokens[choice.index] == list(zip(choice.logprobs.tokens, choice.logprobs.token_logprobs))
+        # the two prompts are two sample requests: when they join a batch depends on timing, so the logprobs hold
+        # to the batching contract (1e-4), the tokens exactly
+        streamed = tokens[choice.index]
+        assert [t for t, _ in streamed] == choice.logprobs.tokens
+        assert np.allclose([lp for _, lp in streamed], choice.logprobs.token_logprobs, rtol=0, atol=1e-4)
         assert offsets[choice.index] == choice.logprobs.text_offset
         assert finish[choice.index] == choice.finish_reason
 
