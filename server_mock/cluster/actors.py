@@ -12,13 +12,13 @@ import functools
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 
 from pytrio_compat.wire import AdamParams, LoraSpec
 from server_mock.cluster import data_parallel
+from server_mock.cluster.replica_adapters import Report
 from server_mock.config import TrainOptions
 from server_mock.engine.local_host import LocalModelHost
 from server_mock.errors import WorkerError
@@ -191,10 +191,8 @@ class SamplerReplica:
             self.snapshots.move_to_end(snapshot_id)
         return snap
 
-    def _report(self):
+    def _report(self) -> Report:
         """What the adapter pool holds after this call (the front end charges it to the worker's budget)."""
-        from server_mock.cluster.replica_adapters import Report
-
         self.calls += 1
         pool = self.host.adapter_pool
         return Report(os.getpid(), self.calls, {} if pool is None else pool.resident())
@@ -215,7 +213,7 @@ class SamplerReplica:
                 del self.snapshots[snapshot_id]
                 self.host.forget_snapshot(snapshot_id)
 
-    def sample_groups(self, groups: list[tuple[str | None, list | None, list]]) -> tuple[list[list], dict, int, Any]:
+    def sample_groups(self, groups: list[tuple[str | None, list | None, list]]) -> tuple[list[list], dict, int, Report]:
         """Sample ``(snapshot id, holder, specs)`` groups as one batch: each group's results in order, the batch's
         timings, this replica's index and what its adapter pool holds after it (``Report``)."""
         snapshots = [self._snapshot(snapshot_id, holder) for snapshot_id, holder, _ in groups]

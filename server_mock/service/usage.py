@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 
-from server_mock.engine.queue import Job
+from server_mock.engine.jobs import Job
 from server_mock.engine.requests import approx_bytes
 from server_mock.service.activity import Activity, Running
 from server_mock.service.metrics import Metrics, op_label, tenant_label
@@ -66,9 +66,9 @@ class Usage:
     def batch(self, jobs: list[Job]) -> None:
         try:
             if jobs:
-                self.metrics.batch_rows.observe(sum(rows_of(job) for job in jobs))
-                self.metrics.batch_adapters.observe(adapters_of(jobs))
-                self._running(jobs)
+                running = self._running(jobs)
+                self.metrics.batch_rows.observe(running.rows)
+                self.metrics.batch_adapters.observe(running.adapters)
         except Exception as exc:  # noqa: BLE001
             self._failed(exc)
 
@@ -132,13 +132,15 @@ class Usage:
          "generation": self.metrics.generation_tokens}[kind].labels(tenant).inc(tokens)
         self.activity.tokens(tenant, kind, tokens)
 
-    def _running(self, jobs: list[Job]) -> None:
+    def _running(self, jobs: list[Job]) -> Running:
         """What this model thread runs now (the console's "running batch"; one entry per model thread)."""
-        self.activity.running(threading.current_thread().name, Running(
+        running = Running(
             kind=jobs[0].kind, rows=sum(rows_of(job) for job in jobs),
             adapters=adapters_of(jobs),
             tenants=sorted({tenant_label(job.owner) for job in jobs}), tokens=sum(job.tokens for job in jobs),
-            since=time.time(), open={job.request_id for job in jobs}))
+            since=time.time(), open={job.request_id for job in jobs})
+        self.activity.running(threading.current_thread().name, running)
+        return running
 
     def _failed(self, exc: Exception) -> None:
         if not self._failed_once:
