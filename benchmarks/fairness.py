@@ -44,7 +44,7 @@ from pytrio_compat.wire import CreateSampler, CreateTrainingRun, LoraSpec, Sampl
 from pytrio_compat.wire import WireSamplingParams  # noqa: E402
 from server_mock.config import Limits, StorageOptions, TrainOptions  # noqa: E402
 from server_mock.engine.fairness import REQUEST_TOKENS, FairShare, Prices, RoundRobin  # noqa: E402
-from server_mock.engine.queue import job_result  # noqa: E402
+from server_mock.engine.jobs import job_result  # noqa: E402
 from server_mock.service.ops import ForwardBatch  # noqa: E402
 from server_mock.service.worker import WorkerService  # noqa: E402
 

@@ -29,7 +29,8 @@ from tqdm import tqdm
 from benchmarks.common import save
 from pytrio_compat.wire import AdamParams, CreateSampler, CreateTrainingRun, LoraSpec, OptimStepOp, SampleRequest
 from pytrio_compat.wire import WireSamplingParams
-from server_mock.engine.queue import Job, _Unobserved, job_result
+from server_mock.engine.jobs import Job, job_result
+from server_mock.engine.queue import _Unobserved
 from server_mock.errors import WorkerError
 from server_mock.operator.state import console_state
 from server_mock.service.ops import ForwardBatch

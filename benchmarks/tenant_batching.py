@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from pytrio_compat.wire import CreateSampler, SampleRequest, WireSamplingParams
-from server_mock.engine.queue import job_result
+from server_mock.engine.jobs import job_result
 from server_mock.service.worker import WorkerService
 
 

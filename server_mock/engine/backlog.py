@@ -19,7 +19,7 @@ from server_mock.engine.fairness import FairShare
 
 
 class Queued(Protocol):
-    """What the backlog reads of a job (engine/queue.py ``Job``)."""
+    """What the backlog reads of a job (engine/jobs.py ``Job``)."""
 
     request_id: str
     kind: str

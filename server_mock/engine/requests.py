@@ -9,7 +9,7 @@ import uuid
 from collections import OrderedDict
 from typing import Any, Callable
 
-from server_mock.engine.queue import Job
+from server_mock.engine.jobs import Job
 from server_mock.errors import WorkerError
 
 DROPPED_REMEMBERED = 4096  # ids of results dropped for bytes, remembered to say why they are gone

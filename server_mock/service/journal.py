@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from server_mock.engine.queue import Job
+from server_mock.engine.jobs import Job
 from server_mock.errors import WorkerError, storage_error
 from server_mock.storage import records
 from server_mock.storage.files import read_verified, remove_leftovers, write_atomic

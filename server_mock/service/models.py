@@ -22,7 +22,8 @@ from server_mock.config import Limits, TrainOptions
 from server_mock.engine.fairness import FairShare
 from server_mock.engine.host import ModelHost
 from server_mock.engine.local_host import LocalModelHost
-from server_mock.engine.queue import ModelQueue, QueueObserver, job_result
+from server_mock.engine.jobs import job_result
+from server_mock.engine.queue import ModelQueue, QueueObserver
 from server_mock.engine.requests import RequestStore
 from server_mock.errors import WorkerError
 from server_mock.lora import Layer

@@ -57,7 +57,7 @@ class PreparedOp:
     nbytes: int = 0
     record: dict | None = None
     tokens: int = 0
-    # the same work in parts, paused between micro-batches (engine/queue.py ``Job.open_steps``); None: in one go
+    # the same work in parts, paused between micro-batches (engine/jobs.py ``Job.open_steps``); None: in one go
     steps: Callable[[], Generator[int, None, dict]] | None = None
 
 

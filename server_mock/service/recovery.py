@@ -19,7 +19,7 @@ import sqlite3
 import time
 
 from pytrio_compat.wire import LoraSpec, SampleRequest
-from server_mock.engine.queue import Job
+from server_mock.engine.jobs import Job
 from server_mock.errors import WorkerError
 from server_mock.lora import Snapshot
 from server_mock.service.journal import DAMAGED_ROW, to_torch

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 
 from pytrio_compat.wire import LoadOp, LoraSpec, OptimStepOp, SaveOp, WireImage
-from server_mock.engine.queue import Job
+from server_mock.engine.jobs import Job
 from server_mock.errors import WorkerError, raising
 from server_mock.service.journal import STATE_OPS, OpRow, RunRow, to_torch
 from server_mock.service.ops import ForwardBatch, PreparedOp

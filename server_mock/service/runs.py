@@ -18,7 +18,7 @@ from typing import Any
 
 from pytrio_compat.wire import CreateTrainingRun, LoadOp, LoraSpec, OptimStepOp, SaveOp
 from server_mock.config import Limits
-from server_mock.engine.queue import Job
+from server_mock.engine.jobs import Job
 from server_mock.engine.requests import RequestStore, run_id
 from server_mock.errors import WorkerError, bad_request, not_found, storage_error
 from server_mock.service.checkpoints import Checkpoints

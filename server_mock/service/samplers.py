@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pytrio_compat.wire import CreateSampler, LoraSpec, SampleRequest
 from server_mock.config import Limits
 from server_mock.engine.host import ModelHost
-from server_mock.engine.queue import Job
+from server_mock.engine.jobs import Job
 from server_mock.engine.requests import RequestStore, run_id
 from server_mock.errors import WorkerError, bad_request, not_found, storage_error
 from server_mock.lora import Layer, Snapshot, adapter_keys, align_adapter_keys

@@ -19,7 +19,7 @@ from streaming_support import KEY, StepGate, in_process_worker, wait_until
 from server_mock.api.openai import router, streaming
 from server_mock.api.openai.deltas import ChoiceText
 from server_mock.api.openai.render import Choice
-from server_mock.engine.queue import Job
+from server_mock.engine.jobs import Job
 
 IDS = {"return_token_ids": True}
 HELLO = [{"role": "user", "content": "then"}]

@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import pytrio_compat as trio
 from server_mock.api.auth import tenant_id
-from server_mock.engine.queue import Job
+from server_mock.engine.jobs import Job
 
 from .operator_support import ADMIN, ADMIN_KEY, OTHER_KEY, TENANT_KEY, operator_worker
 

@@ -11,7 +11,10 @@ import httpx
 import pytest
 from support import running_worker
 
-from server_mock.engine.queue import Job, ModelQueue
+from server_mock.engine.jobs import Job
+
+
+from server_mock.engine.queue import ModelQueue
 
 from .reliability_helpers import KEY_A, KEY_B, datum_wire
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from server_mock.engine.queue import Job, job_result
+from server_mock.engine.jobs import Job, job_result
 from server_mock.errors import WorkerError
 
 from .reliability_helpers import KEY_A, KEY_B

@@ -10,7 +10,10 @@ import time
 
 import httpx
 
-from server_mock.engine.queue import Job, ModelQueue
+from server_mock.engine.jobs import Job
+
+
+from server_mock.engine.queue import ModelQueue
 
 from .reliability_helpers import KEY_A, KEY_B, datum_wire
 

@@ -9,7 +9,7 @@ import pytest
 
 import pytrio_compat as trio
 from pytrio_compat.errors import RequestLostError
-from server_mock.engine.queue import Job
+from server_mock.engine.jobs import Job
 from server_mock.engine.requests import RequestStore
 
 

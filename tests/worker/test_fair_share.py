@@ -11,7 +11,10 @@ import pytest
 
 from server_mock.engine.fairness import (DECODE_PRICE, MAX_WEIGHT, PREFILL_PRICE, REQUEST_TOKENS, TRAIN_PRICE,
                                          FairShare, Prices, RoundRobin, parse_weight)
-from server_mock.engine.queue import Job, ModelQueue
+from server_mock.engine.jobs import Job
+
+
+from server_mock.engine.queue import ModelQueue
 
 
 UNIT = Prices(1.0, 1.0, 1.0, request_tokens=0.0)

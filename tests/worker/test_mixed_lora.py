@@ -17,7 +17,8 @@ from server_mock.config import TrainOptions
 from server_mock.engine.adapter_pool import AdapterPool, prepare, rank_bucket
 from server_mock.engine.local_host import LocalModelHost
 from server_mock.engine.mixed_lora import MixedLoraDecoder
-from server_mock.engine.queue import Job, ModelQueue
+from server_mock.engine.jobs import Job
+from server_mock.engine.queue import ModelQueue
 from server_mock.engine.tiny_model import TINY_FAMILIES, make_tiny_model
 from server_mock.engine.tiny_vlm import TINY_VLM_FAMILIES
 from server_mock.lora import LORA_ALPHA, Snapshot, model_layout

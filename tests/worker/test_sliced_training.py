@@ -13,7 +13,7 @@ import torch
 from pytrio_compat.wire import AdamParams, CreateSampler, CreateTrainingRun, LoraSpec, OptimStepOp, SampleRequest
 from pytrio_compat.wire import WireSamplingParams
 from server_mock.config import TrainOptions
-from server_mock.engine.queue import Job, job_result
+from server_mock.engine.jobs import Job, job_result
 from server_mock.service.ops import ForwardBatch
 from server_mock.service.worker import WorkerService
 from server_mock.training import losses

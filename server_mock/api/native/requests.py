@@ -11,7 +11,7 @@ from starlette.routing import Route
 from pytrio_compat.wire import ErrorBody, RequestStatus
 from server_mock.api.long_polls import held_poll
 from server_mock.api.native.endpoint import endpoint, poll_seconds, service_of, wait_unless_disconnected
-from server_mock.engine.queue import Job
+from server_mock.engine.jobs import Job
 from server_mock.errors import WorkerError
 
 

@@ -15,7 +15,7 @@ import asyncio
 from pytrio_compat.wire import CreateSampler, SampleRequest, WireImage, WireSamplingParams
 from server_mock.api.openai.protocol import Generation
 from server_mock.api.openai.render import Choice, finish
-from server_mock.engine.queue import job_result
+from server_mock.engine.jobs import job_result
 from server_mock.errors import WorkerError
 from server_mock.service.samplers import ReusedSamplers
 from server_mock.service.validation import describe_int

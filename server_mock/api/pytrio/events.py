@@ -21,7 +21,7 @@ from typing import Any
 from server_mock.api.pytrio import event_wire as wire
 from server_mock.api.pytrio.kept_answers import KeptAnswers
 from server_mock.api.pytrio.msgpack_codec import encode
-from server_mock.engine.queue import Job
+from server_mock.engine.jobs import Job
 
 MAX_WAITING = 16  # admitted events of a run not started yet; one more is refused (it may be sent again)
 logger = logging.getLogger("server_mock")

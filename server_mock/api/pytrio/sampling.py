@@ -25,7 +25,7 @@ from server_mock.api.pytrio.endpoint import error_body, read_model
 from server_mock.api.pytrio.kept_answers import KeptAnswers
 from server_mock.api.pytrio.sample_wire import SampleIn, SampleOut, SampleSequenceOut, SampleUsageOut
 from server_mock.api.pytrio.state import PytrioState, SamplingRun
-from server_mock.engine.queue import job_result
+from server_mock.engine.jobs import job_result
 from server_mock.engine.requests import approx_bytes
 from server_mock.errors import WorkerError
 

@@ -23,7 +23,7 @@ from server_mock.api.pytrio import event_wire as wire
 from server_mock.api.pytrio.events import Event
 from server_mock.api.pytrio.msgpack_codec import encode
 from server_mock.api.pytrio.state import PytrioState, TrainingRun
-from server_mock.engine.queue import Job
+from server_mock.engine.jobs import Job
 from server_mock.errors import WorkerError
 from server_mock.service.checkpoints import checkpoint_id
 from server_mock.service.ops import ForwardBatch

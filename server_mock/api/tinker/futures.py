@@ -29,7 +29,7 @@ from server_mock.api.tinker import schemas
 from server_mock.api.tinker.endpoint import PROTOBUF, read
 from server_mock.api.tinker.paths import tinker_message
 from server_mock.api.tinker.proto.decode import ProtoError
-from server_mock.engine.queue import SERVER_ERROR_CODES
+from server_mock.engine.jobs import SERVER_ERROR_CODES
 from server_mock.engine.requests import FinishedResults, approx_bytes
 from server_mock.errors import WorkerError
 

@@ -21,7 +21,7 @@ from typing import Any
 from server_mock.api.tinker.answers import Answer, converter, sample_answer, snapshot_sampler_id
 from server_mock.api.tinker.durable import MODELS, SAMPLING, SESSIONS
 from server_mock.api.tinker.state import Session, TinkerState
-from server_mock.engine.queue import job_result
+from server_mock.engine.jobs import job_result
 from server_mock.errors import WorkerError
 
 logger = logging.getLogger("server_mock")

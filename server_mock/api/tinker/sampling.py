@@ -22,7 +22,7 @@ from server_mock.api.tinker.endpoint import read
 from server_mock.api.tinker.futures import raise_
 from server_mock.api.tinker.paths import to_tinker_path, to_trio_path
 from server_mock.api.tinker.state import TinkerState
-from server_mock.engine.queue import job_result
+from server_mock.engine.jobs import job_result
 from server_mock.errors import WorkerError, bad_request
 from server_mock.service.rate_limits import RateLimited
 

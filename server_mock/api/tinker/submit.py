@@ -20,7 +20,7 @@ from server_mock.api.tinker.endpoint import digest, read_body
 from server_mock.api.tinker.futures import raise_
 from server_mock.api.tinker.holding import Slim
 from server_mock.api.tinker.state import TinkerModel, TinkerState
-from server_mock.engine.queue import job_result
+from server_mock.engine.jobs import job_result
 from server_mock.errors import WorkerError, bad_request, raising
 
 
