@@ -1,3 +1,3 @@
-from server_mock.cli import main
+from server_mock.cli import entry
 
-main()
+entry()

@@ -12,6 +12,8 @@ import warnings
 from pathlib import Path
 
 from pytrio_compat.export import cli as export_cli
+from server_mock.allocator import describe as describe_allocator
+from server_mock.allocator import restart_with_allocator
 from server_mock.config import (
     ClusterOptions,
     Connections,
@@ -114,6 +116,7 @@ def check_limits(limits: Limits) -> str | None:
 
 def serve(args: argparse.Namespace) -> None:
     server, sock = build_server(args)
+    logging.getLogger("server_mock").info(describe_allocator())
     server.run(sockets=[sock])
 
 
@@ -320,5 +323,12 @@ def main(argv: list[str] | None = None) -> None:
         print(f"wrote a tiny random model and tokenizer to {path}")
 
 
-if __name__ == "__main__":
+def entry() -> None:
+    """The ``pytrio-worker`` command and ``python -m server_mock``: the process starts itself again with tcmalloc
+    preloaded where it is installed (server_mock/allocator.py), then runs ``main``."""
+    restart_with_allocator()
     main()
+
+
+if __name__ == "__main__":
+    entry()
