@@ -1,6 +1,7 @@
 """The decode step of a batch: one token per row, stop handling, and compaction of the rows that ended.
 
-``DecodeBatch`` decodes a ``BatchAdmission`` (batch_admission.py: how requests enter the batch and leave it).
+``DecodeBatch`` decodes a ``BatchAdmission`` (batch_admission.py: how requests' prompts are prefilled into the
+batch; batch_rows.py: its rows, stacked under the running batch as they join, and its finished requests).
 ``run`` advances every row one token per step until told to stop, so a caller can decode in slices and let other
 work run in between; requests admitted meanwhile start between steps, and those that waited for the batch to end
 are prefilled when it does. ``generate_batch`` is admit-then-run.
@@ -23,7 +24,8 @@ import time
 import torch
 
 from server_mock.sampling import cache_rows
-from server_mock.sampling.batch_admission import BatchAdmission, Row, forward
+from server_mock.sampling.batch_admission import BatchAdmission, forward
+from server_mock.sampling.batch_rows import Row
 from server_mock.sampling.logprobs import EvalMode
 from server_mock.sampling.token_choice import next_tokens, stop_string_hit
 from server_mock.sampling.token_stream import CANCELLED, stream_cancelled

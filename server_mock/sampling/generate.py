@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from server_mock.sampling.batch_admission import FULL_SUPPORT, Finished, SamplingSupport
+from server_mock.sampling.batch_rows import FULL_SUPPORT, Finished, SamplingSupport
 from server_mock.sampling.decode_batch import DecodeBatch
 from server_mock.sampling.logprobs import teacher_forced_logprobs
 from server_mock.sampling.token_choice import row_seed

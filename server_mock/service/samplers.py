@@ -12,6 +12,7 @@ import hashlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from pytrio_compat.wire import CreateSampler, LoraSpec, SampleRequest
 from server_mock.config import Limits
@@ -30,6 +31,17 @@ from server_mock.service.rate_limits import TokenBudgets
 from server_mock.service.validation import validate_sample
 from server_mock.storage import crash_points, peft_folders
 from server_mock.storage.checkpoints import parse_path
+
+
+class SamplePayload(NamedTuple):
+    """A sample job's payload: its checked request, whether to answer with text, the loader of its weights (run on
+    the model's thread; a Snapshot, None for the base model) and their key (the job's ``weights_key``): requests of
+    a batch with one key share one load."""
+
+    spec: SampleSpec
+    return_text: bool
+    load: Callable[[], Snapshot | None]
+    weights_key: str
 
 
 @dataclass
@@ -213,8 +225,10 @@ class Samplers:
         cost = 0 if requeued else len(spec.prompt_tokens) + spec.num_samples * spec.max_tokens
         self.budgets.take(tenant, cost)  # 429 + Retry-After past the key's tokens a minute
 
+        payload = SamplePayload(spec, return_text, load, weights_key)
+
         def run_sample() -> dict:
-            return _sample_together(host, [(spec, return_text, load)])[0]
+            return _sample_together(host, [payload])[0]
 
         job = self.requests.new_job("sample", run_sample, tenant, request_id=request_id)
         job.tokens, job.scope = cost, sampler_id
@@ -234,11 +248,11 @@ class Samplers:
         # a host that decodes each batch in one go and mixes adapters in it takes a mix key's jobs as one batch
         job.batch_key = job.mix_key if host.mixed_batches else batch_key
         job.weights_key = weights_key
-        job.payload = (spec, return_text, load)
+        job.payload = payload
         job.batch_fn = lambda payloads: _sample_together(host, payloads)
         job.batch_cost = spec.num_samples * (len(spec.prompt_tokens) + spec.max_tokens)
         job.rows = spec.num_samples
-        job.open_decode = lambda: _SampleDecoding.open(host, load())
+        job.open_decode = lambda: _SampleDecoding.open(host, load(), weights_key)
         self.models.sampling_queue(sampler.base_model).put(job)
         return job
 
@@ -275,13 +289,17 @@ class _SampleDecoding:
     """Sample requests for one set of weights decoding in slices (the queue's ``Decoding``): the host's
     ``sampling_session`` with each finished request in its result form."""
 
-    def __init__(self, host: ModelHost, session) -> None:
+    def __init__(self, host: ModelHost, session, opened: dict[str, Snapshot | None] | None = None) -> None:
         self.host, self.session, self.payloads = host, session, {}
+        self._opened = opened or {}  # the weights the batch was opened with, by key, for its first admission
 
     @classmethod
-    def open(cls, host: ModelHost, snapshot: Snapshot | None):
+    def open(cls, host: ModelHost, snapshot: Snapshot | None, weights_key: str | None = None):
+        """A batch on ``snapshot`` (the weights of ``weights_key``: the requests admitted with it are not loaded
+        again)."""
         session = host.sampling_session(snapshot, defer=True)
-        return None if session is None else cls(host, session)
+        opened = {} if weights_key is None else {weights_key: snapshot}
+        return None if session is None else cls(host, session, opened)
 
     @property
     def active(self) -> bool:
@@ -294,15 +312,16 @@ class _SampleDecoding:
     def can_add(self) -> bool:
         return self.session.can_add()
 
-    def add(self, payload: tuple) -> int:
-        """Prefill ``(spec, return_text, load)`` into the batch (``load`` gives its weights, on this thread)."""
-        handle = self.session.add(payload[0], payload[2]())
-        self.payloads[handle] = payload
-        return handle
+    def add(self, payload: SamplePayload) -> int:
+        """Prefill a request into the batch (its ``load`` gives its weights, on this thread)."""
+        return self.add_many([payload])[0]
 
-    def add_many(self, payloads: list[tuple]) -> list[int]:
-        """``add`` for several requests, prefilled together; if one fails, none was added."""
-        handles = self.session.add_many([(payload[0], payload[2]()) for payload in payloads])
+    def add_many(self, payloads: list[SamplePayload]) -> list[int]:
+        """``add`` for several requests, prefilled together, each set of weights loaded once; if one fails (a
+        loader too), none was added."""
+        opened, self._opened = self._opened, {}
+        weights = _load_each(payloads, opened)
+        handles = self.session.add_many([(payload.spec, snapshot) for payload, snapshot in zip(payloads, weights)])
         for handle, payload in zip(handles, payloads):
             self.payloads[handle] = payload
         return handles
@@ -316,21 +335,36 @@ class _SampleDecoding:
                 for handle, result, timings in finished]
 
 
-def _sample_together(host: ModelHost, payloads: list[tuple]) -> list[dict]:
-    """Run one or more sample requests (``(spec, return_text, load)``), each with its own weights (``load``), as
-    one decoding batch (``sample_mixed``: requests of one set of weights decode as ``sample_batch`` does)."""
+def _load_each(payloads: list[SamplePayload], loaded: dict[str, Snapshot | None] | None = None) -> list:
+    """Each request's weights, each key's loader called once however many requests of the batch share it (a local
+    adapter folder is fingerprinted once a batch, not once a request); ``loaded``: weights this batch already has,
+    by key. A loader that raises raises here, before anything is prefilled: the queue then runs or admits each
+    request alone, so that only the requests of those weights fail."""
+    loaded = dict(loaded or {})
+    out = []
+    for payload in payloads:
+        if payload.weights_key not in loaded:
+            loaded[payload.weights_key] = payload.load()
+        out.append(loaded[payload.weights_key])
+    return out
+
+
+def _sample_together(host: ModelHost, payloads: list[SamplePayload]) -> list[dict]:
+    """Run one or more sample requests, each with its own weights (each set loaded once), as one decoding batch
+    (``sample_mixed``: requests of one set of weights decode as ``sample_batch`` does)."""
     timings: dict[str, float] = {}
-    results = host.sample_mixed([(payload[2](), payload[0]) for payload in payloads], timings)
+    weights = _load_each(payloads)
+    results = host.sample_mixed([(snapshot, payload.spec) for payload, snapshot in zip(payloads, weights)], timings)
     crash_points.reached("sample")  # (kill tests) the tokens generated, nothing answered
     return _sample_dicts(host, payloads, results, timings, len(payloads))
 
 
-def _sample_dicts(host: ModelHost, payloads: list[tuple], results: list, timings: dict[str, float],
+def _sample_dicts(host: ModelHost, payloads: list[SamplePayload], results: list, timings: dict[str, float],
                   batch_requests: int) -> list[dict]:
     """Each request's result dict: its sequences, prompt logprobs, token counts and the batch's timings."""
     out = []
     for payload, result in zip(payloads, results):
-        spec, return_text = payload[0], payload[1]
+        spec, return_text = payload.spec, payload.return_text
         sequences = [
             {"stop_reason": s.stop_reason, "tokens": s.tokens, "logprobs": s.logprobs,
              "text": host.tokenizer.decode(s.tokens, skip_special_tokens=True) if return_text else None}

@@ -7,6 +7,7 @@ decode step; the pool's byte budget."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 
 import pytest
@@ -21,8 +22,10 @@ from server_mock.engine.jobs import Job
 from server_mock.engine.queue import ModelQueue
 from server_mock.engine.tiny_model import TINY_FAMILIES, make_tiny_model
 from server_mock.engine.tiny_vlm import TINY_VLM_FAMILIES
+from server_mock.errors import WorkerError
 from server_mock.lora import LORA_ALPHA, Snapshot, model_layout
 from server_mock.sampling.generate import SampleSpec, generate_batch
+from server_mock.service.samplers import SamplePayload, _SampleDecoding, _sample_together
 
 TOL = 1e-4
 RANKS = (4, 8, 16)
@@ -521,6 +524,91 @@ def test_the_queue_opens_a_batch_with_every_queued_job_of_its_mix_key(fail):
     finally:
         queue.stop()
         loop.close()
+
+
+def _counting_loader(loads: collections.Counter, key: str, snapshot, fail: bool = False):
+    """A sampler's weights loader (what fingerprints a local adapter folder) that counts its calls."""
+
+    def load():
+        loads[key] += 1
+        if fail:
+            raise WorkerError(404, "sampler_weights_expired", f"model_path: {key} is gone", "model_path")
+        return snapshot
+
+    return load
+
+
+def _folder_payloads(snaps, folders: int, loads: collections.Counter, failing: str | None = None):
+    """Six greedy requests on ``folders`` adapter folders, interleaved: each folder's weights and payloads."""
+    weights = {f"folder-{i}": snaps[i] for i in range(folders)}
+    keys = [f"folder-{i % folders}" for i in range(6)]
+    loaders = {key: _counting_loader(loads, key, snap, fail=key == failing) for key, snap in weights.items()}
+    return weights, [SamplePayload(_spec(i, max_tokens=4, n=1), False, loaders[key], key)
+                     for i, key in enumerate(keys)]
+
+
+@pytest.mark.parametrize("path", ["decode_session", "one_call"])
+@pytest.mark.parametrize("folders", [1, 2])
+def test_requests_of_one_adapter_folder_admitted_together_load_it_once(host, snaps, folders, path):
+    """Six requests of one local adapter folder admitted together (``_SampleDecoding.add_many``, or one
+    ``sample_mixed`` call) call the folder's loader, which reads the folder, once; of two folders, once each; each
+    request still gets its solo tokens."""
+    loads: collections.Counter = collections.Counter()
+    weights, payloads = _folder_payloads(snaps, folders, loads)
+    if path == "decode_session":
+        decoding = _SampleDecoding.open(host, snaps[0])
+        handles = decoding.add_many(payloads)
+        out: dict = {}
+        while decoding.active:
+            out.update(decoding.run(lambda: False))
+        results = [out[h] for h in handles]
+    else:
+        results = _sample_together(host, payloads)
+    assert loads == {key: 1 for key in weights}
+    for payload, result in zip(payloads, results):
+        solo = _solo(host, weights[payload.weights_key], payload.spec)
+        assert [s["tokens"] for s in result["sequences"]] == [s.tokens for s in solo.sequences]
+
+
+def _sample_job(host, tag: str, payload: SamplePayload) -> Job:
+    """A sample job as ``Samplers.submit`` queues it (one tenant, one base model)."""
+    key = payload.weights_key
+    job = Job(request_id=tag, kind="sample", fn=lambda: _sample_together(host, [payload])[0], owner="A",
+              batch_key=f"A|{key}", mix_key="A|tiny", payload=payload, batch_cost=1, weights_key=key)
+    job.batch_fn = lambda payloads: _sample_together(host, payloads)
+    job.open_decode = lambda: _SampleDecoding.open(host, payload.load(), key)
+    return job
+
+
+@pytest.mark.parametrize("failing", [None, "folder-1"])
+def test_the_queue_loads_each_folder_of_a_batch_once_and_a_failing_one_fails_its_own_requests(host, snaps, failing):
+    """Requests of two adapter folders queued together open one batch: each folder is loaded once, the batch's
+    opening included. A folder whose loader fails fails its own requests only (the batch is then admitted one
+    request at a time, as when any request of it fails); the other folder's requests get their solo tokens."""
+    loop = asyncio.new_event_loop()
+    queue = ModelQueue("unit", loop, batch_window=0.05)
+    loads: collections.Counter = collections.Counter()
+    weights, payloads = _folder_payloads(snaps, 2, loads, failing)
+    jobs = [_sample_job(host, f"r{i}", payload) for i, payload in enumerate(payloads)]
+    try:
+        for job in jobs:
+            queue.put(job)
+        until = time.monotonic() + 60
+        while not all(job.status in ("succeeded", "failed") for job in jobs):
+            assert time.monotonic() < until
+            time.sleep(0.01)
+    finally:
+        queue.stop()
+        loop.close()
+    if failing is None:
+        assert loads == {"folder-0": 1, "folder-1": 1}
+    for job, payload in zip(jobs, payloads):
+        if payload.weights_key == failing:
+            assert job.status == "failed" and job.error.code == "sampler_weights_expired"
+            continue
+        assert job.status == "succeeded", job.error
+        solo = _solo(host, weights[payload.weights_key], payload.spec)
+        assert [s["tokens"] for s in job.result["sequences"]] == [s.tokens for s in solo.sequences]
 
 
 def test_mixed_decoding_is_off_without_a_pool(tiny_model_dir):
