@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import shlex
 import zlib
 from datetime import datetime
 from pathlib import Path
@@ -22,23 +23,25 @@ MAX_STEPS_OFF_POLICY = 1  # the async demo samples the next step while this one 
 # scripts/demo.sh, chosen from the measurements in docs/benchmarks.md ("Learning: recipe vs plain loop"); it
 # evaluates at the first and the last step only (an evaluation does not change the training, and each of its
 # 200 problems costs a prefill of the 160-token few-shot prompt: docs/benchmarks.md, "Evaluation").
+# Its embedded worker trains under bf16 autocast (the sampler stays float32): 0.66x the forward_backward time on
+# this CPU, held-out gains over 3 seeds within the noise of float32 training (docs/benchmarks.md, "The CPU demo").
 # countdown: the arithmetic settings with room for a worked answer and its boxed expression (the few-shot
 # answers are 32 and 50 SmolLM2 tokens); not tuned, and not shown to learn (TinyZero trained a 3B model on it).
 DATASET_DEFAULTS: dict[str, dict[str, Any]] = {
     "gsm8k": {"base_model": "Qwen/Qwen3.5-4B", "lora_rank": 32, "train_unembed": True, "steps": 10,
               "group_size": 4, "max_tokens": 1024, "learning_rate": 4e-5, "beta2": 0.95, "adam_eps": 1e-12,
-              "eval_every": 0, "eval_size": 50},
+              "eval_every": 0, "eval_size": 50, "worker_args": ""},
     "arithmetic": {"base_model": "HuggingFaceTB/SmolLM2-135M-Instruct", "lora_rank": 16, "train_unembed": True,
                    "steps": 20, "group_size": 8, "max_tokens": 40, "learning_rate": 2e-4, "beta2": 0.95,
-                   "adam_eps": 1e-12, "eval_every": 20, "eval_size": 200},
+                   "adam_eps": 1e-12, "eval_every": 20, "eval_size": 200, "worker_args": "--autocast bf16"},
     "countdown": {"base_model": "HuggingFaceTB/SmolLM2-135M-Instruct", "lora_rank": 16, "train_unembed": True,
                   "steps": 20, "group_size": 8, "max_tokens": 96, "learning_rate": 2e-4, "beta2": 0.95,
-                  "adam_eps": 1e-12, "eval_every": 10, "eval_size": 100},
+                  "adam_eps": 1e-12, "eval_every": 10, "eval_size": 100, "worker_args": ""},
     # shapes (recipes/shapes.py): count the shapes in a generated picture; needs a vision-language model (the
     # recipes' default Qwen3.5 is one). Not tuned.
     "shapes": {"base_model": "Qwen/Qwen3.5-4B", "lora_rank": 16, "train_unembed": True, "steps": 20,
                "group_size": 8, "max_tokens": 32, "learning_rate": 1e-4, "beta2": 0.95, "adam_eps": 1e-12,
-               "eval_every": 10, "eval_size": 64},
+               "eval_every": 10, "eval_size": 64, "worker_args": ""},
 }
 
 
@@ -118,6 +121,9 @@ def build_arg_parser(description: str) -> argparse.ArgumentParser:
                    help="02-demo-async.py: 1 starts sampling the next step while this step trains, from the "
                         "weights before this step's update (one step off-policy; the loss's importance ratio is "
                         "against the sampler's logprobs); 0 (default) samples every step from its own weights")
+    p.add_argument("--worker-args", default=None,
+                   help="flags for the worker the SDK starts when no --base-url is given (shell words, e.g. "
+                        "'--autocast bf16'; ignored for a remote worker); " + _default_help("worker_args"))
     add_variant_options(p)  # --advantage, --loss-agg, --kl-coef, --dynamic-sampling, ...: grpo_variants.py
     return p
 
@@ -146,7 +152,10 @@ def sample_seed(seed: int, step: int, prompt_index: int) -> int:
 
 
 def make_service_client(args: argparse.Namespace) -> Any:
-    """`trio.ServiceClient` with `--api-key` / `--base-url` when given (else the SDK's env/profile defaults)."""
+    """`trio.ServiceClient` with `--api-key` / `--base-url` when given (else the SDK's env/profile defaults); a
+    worker the SDK starts for this process gets `--worker-args`."""
+    if args.worker_args:
+        trio.configure(embedded_worker_args=tuple(shlex.split(args.worker_args)))
     kwargs = {k: v for k, v in (("api_key", args.api_key), ("base_url", args.base_url)) if v is not None}
     return trio.ServiceClient(**kwargs)
 

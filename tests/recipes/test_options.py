@@ -25,3 +25,23 @@ def test_given_options_win_over_dataset_defaults():
     assert (args.lora_rank, args.beta2, args.train_unembed, args.eval_every) == (8, 0.9, True, 0)
     args = build_arg_parser("t").parse_args(["--no-train-unembed"])
     assert args.train_unembed is False
+
+
+def test_worker_args_reach_only_the_embedded_worker(monkeypatch):
+    import pytrio_compat as trio
+    from pytrio_compat.config import _CONFIG
+    from recipes.grpo_options import make_service_client
+
+    made = []
+    monkeypatch.setattr(trio, "ServiceClient", lambda **kwargs: made.append(kwargs) or "client")
+    monkeypatch.setattr(_CONFIG, "embedded_worker_args", ())
+    args = build_arg_parser("t").parse_args(["--dataset", "arithmetic"])
+    assert args.worker_args == "--autocast bf16"  # the CPU demo's worker trains under bf16 autocast
+    assert make_service_client(args) == "client"
+    assert _CONFIG.embedded_worker_args == ("--autocast", "bf16") and made == [{}]
+    monkeypatch.setattr(_CONFIG, "embedded_worker_args", ())
+    make_service_client(build_arg_parser("t").parse_args(["--dataset", "arithmetic", "--worker-args", ""]))
+    assert _CONFIG.embedded_worker_args == ()  # given empty: the worker's own defaults
+    make_service_client(build_arg_parser("t").parse_args(["--worker-args", "--dtype float32 --autocast off"]))
+    assert _CONFIG.embedded_worker_args == ("--dtype", "float32", "--autocast", "off")
+    assert build_arg_parser("t").parse_args([]).worker_args == ""  # gsm8k: nothing added
