@@ -6,10 +6,6 @@ bash scripts/setup_env.sh
 . .venv/bin/activate
 # every extra is installed: a test that would skip for a missing one fails the run instead (tests/conftest.py)
 export PYTRIO_REQUIRE_EXTRAS=1
-# the test processes (and the workers they fork) on the allocator the worker picks for itself (server_mock/allocator.py)
-if TCMALLOC=$(python -m server_mock.allocator); then
-  export LD_PRELOAD="$TCMALLOC${LD_PRELOAD:+:$LD_PRELOAD}" TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD=1099511627776
-fi
 # Two test processes by default (PYTEST_WORKERS=N to change it; a later -n in the arguments wins, -n 0 runs in this
 # one); a file's tests stay in one process (--dist loadfile), so module fixtures and shared workers are made once.
 exec python -m pytest -n "${PYTEST_WORKERS:-2}" --dist loadfile "$@"

@@ -19,6 +19,7 @@ PACKAGE = ROOT / "server_mock"
 # rank: a module may import modules of a lower rank, or of its own unit (a package or module of the same name)
 RANKS = [
     ("server_mock.__main__", 10), ("server_mock.cli", 9), ("server_mock.app", 8), ("server_mock.connections", 8),
+    ("server_mock.allocator", 8),
     ("server_mock.api.native", 7), ("server_mock.api.tinker", 7), ("server_mock.api.openai", 7),
     ("server_mock.api.pytrio", 7), ("server_mock.operator", 7), ("server_mock.api", 6),
     ("server_mock.service", 5), ("server_mock.cluster", 4), ("server_mock.engine", 3),

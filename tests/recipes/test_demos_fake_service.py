@@ -38,7 +38,8 @@ def test_demo_step_logic(script, tmp_path, fake_service, load_demo, recipe_token
     summary = load_demo(script).main(demo_args(tmp_path, "--temperature", "0.9", "--top-p", "0.95"))
 
     assert fake_service.configure_kwargs == {"actor_event_wait_timeout": 600, "actor_event_request_timeout": 600,
-                                             "timeout": 600, "sampling_request_max_in_flight": 256}
+                                             "timeout": 600, "sampling_request_max_in_flight": 256,
+                                             "embedded_worker_args": ("--autocast", "bf16")}
     assert fake_service.service_kwargs == {}  # no --api-key / --base-url: the SDK's own defaults
     defaults = DATASET_DEFAULTS["arithmetic"]  # options not given come from the dataset's defaults
     assert fake_service.training_kwargs == {"base_model": defaults["base_model"], "rank": defaults["lora_rank"],
