@@ -6,7 +6,7 @@ minus the group mean (TRL: ``scale_rewards="none"``). Reports the median step ti
 reward curves in one figure.
 
     pip install trl   # not a dependency of the project
-    python benchmarks/grpo_vs_trl.py [--steps 6]
+    LD_PRELOAD=$(python -m server_mock.allocator) python benchmarks/grpo_vs_trl.py [--steps 6] [--worker-args ...]
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "recipes"))
 from benchmarks.common import RESULTS, SMOLLM2, median, save  # noqa: E402
+from server_mock.allocator import loaded_allocator  # noqa: E402
 
 
 def run_trl(args, rows) -> dict:
@@ -85,6 +86,7 @@ def run_ours(args) -> dict:
         "--batch-size", str(args.batch), "--group-size", str(args.group), "--max-tokens", str(args.max_tokens),
         "--learning-rate", str(args.learning_rate), "--lora-rank", str(args.rank), "--seed", str(args.seed),
         "--log-dir", str(RESULTS / "ours-run"), "--no-train-unembed", "--eval-every", "0",  # TRL evaluates nothing
+        "--worker-args", args.worker_args,
     ])
     history = [row for row in summary["history"] if "time/step" in row]  # training steps only
     return {"step_s": [row["time/step"] for row in history], "reward": [row["reward"] for row in history]}
@@ -117,6 +119,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--learning-rate", type=float, default=2e-4)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--worker-args", default="",
+                        help="flags of our worker (default none: float32 training, as TRL's here; the CPU demo's "
+                             "is '--autocast bf16')")
     args = parser.parse_args(argv)
 
     from grpo_lib import arithmetic_rows
@@ -130,6 +135,9 @@ def main(argv=None) -> dict:
         "trl_median_step_s": median(trl["step_s"][1:]),
         "step_time_ratio_ours_over_trl": median(ours["step_s"][1:]) / median(trl["step_s"][1:]),
         "ours": ours, "trl": trl,
+        # TRL runs in this process; our worker restarts itself with tcmalloc where installed (server_mock/allocator.py):
+        # run this benchmark with LD_PRELOAD set to the same library to compare like with like
+        "allocator_this_process": loaded_allocator(),
     }
     RESULTS.mkdir(exist_ok=True)
     plot(ours, trl, RESULTS / "grpo_vs_trl.png")
