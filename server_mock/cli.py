@@ -43,7 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the HTTP worker",
                            description="Serve models over the native, Tinker, OpenAI and PyTRIO protocols. Every "
-                                       "flag is declared in server_mock/config.py; its default ends its help.")
+                                       "flag is declared in server_mock/config.py; its default ends its help. The "
+                                       "process runs on tcmalloc where it is installed "
+                                       "(PYTRIO_WORKER_ALLOCATOR=system: glibc's malloc; docs/operations.md).")
     add_sections(serve)
     for options in SERVE_OPTIONS:
         add_flags(serve, options)
