@@ -3,7 +3,7 @@
 On a CPU, every prefill and decode step allocates and frees tensor buffers of megabytes. glibc's malloc hands
 buffers that large out as fresh memory mappings and unmaps them when they are freed, so each step faults its pages
 in again and the kernel zeroes them; tcmalloc keeps freed memory for the next step. On the 2-core CPU machine the
-demo's 200-problem evaluation took 0.81x the time with tcmalloc and the whole demo about 0.65x
+demo's 200-problem evaluation took 0.81x the time with tcmalloc and the whole demo 0.82x, with the same results
 (docs/benchmarks.md, "Heap allocator"); jemalloc measured no faster than glibc there.
 
 A process picks its allocator when it starts (``LD_PRELOAD``), so ``pytrio-worker`` and ``python -m server_mock``
@@ -14,8 +14,8 @@ preload for a process, hence this module. ``PYTRIO_WORKER_ALLOCATOR`` chooses:
 - ``system``: the system malloc, no restart;
 - a path to a shared library (e.g. jemalloc's): preload that one.
 
-``python -m server_mock.allocator`` prints the library ``auto`` would preload (exit status 1 when there is none),
-for scripts that want the same allocator in their own processes (scripts/test.sh).
+``python -m server_mock.allocator`` prints the library ``auto`` would preload (exit status 1 when there is none):
+scripts/setup_env.sh asks it whether tcmalloc is installed, and benchmarks can preload the same library.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from __future__ import annotations
 import ctypes.util
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 ENV = "PYTRIO_WORKER_ALLOCATOR"
@@ -54,21 +54,23 @@ def loaded_allocator(maps: str | None = None) -> str | None:
         except OSError:
             return None
     for line in maps.splitlines():
-        path = line.split()[-1] if line.split() else ""
-        if any(name in Path(path).name for name in _KNOWN):
-            return path
+        fields = line.split()
+        if fields and any(name in Path(fields[-1]).name for name in _KNOWN):
+            return fields[-1]
     return None
 
 
-def restart_env(env: Mapping[str, str], loaded: str | None, tcmalloc: str | None) -> dict[str, str] | None:
+def restart_env(env: Mapping[str, str], loaded: str | None,
+                find: Callable[[], str | None] = find_tcmalloc) -> dict[str, str] | None:
     """The environment to start this process again with, or None to go on as it is.
 
-    ``loaded``: the allocator already mapped into this process; ``tcmalloc``: what ``find_tcmalloc`` found."""
+    ``loaded``: the allocator already mapped into this process; ``find``: where tcmalloc is (``find_tcmalloc``),
+    asked only when ``auto`` has to look (its fallback, ``ctypes.util.find_library``, runs ldconfig)."""
     choice = env.get(ENV, "auto").strip() or "auto"
     if choice == "system" or loaded is not None or env.get(_RESTARTED):
         return None
     if choice == "auto":
-        library = tcmalloc
+        library = find()
         if library is None:
             return None
     else:
@@ -90,7 +92,7 @@ def restart_with_allocator() -> None:
     entry point, never in a library function (it replaces the running program)."""
     if not sys.platform.startswith("linux"):
         return
-    env = restart_env(os.environ, loaded_allocator(), find_tcmalloc())
+    env = restart_env(os.environ, loaded_allocator())
     if env is None:
         return
     sys.stdout.flush()

@@ -18,11 +18,11 @@ MAPS_TC = MAPS_GLIBC + "7f0000002000-7f0000003000 r-xp 00000000 08:01 2 /usr/lib
 
 
 def test_auto_preloads_tcmalloc_first_and_keeps_the_callers_preload():
-    env = allocator.restart_env({"LD_PRELOAD": "/x/libother.so", "PATH": "/bin"}, None, LIB)
+    env = allocator.restart_env({"LD_PRELOAD": "/x/libother.so", "PATH": "/bin"}, None, lambda: LIB)
     assert env["LD_PRELOAD"] == f"{LIB}:/x/libother.so"
     assert env["PATH"] == "/bin" and env[allocator._RESTARTED] == "1"
     assert int(env["TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD"]) >= 1 << 40
-    assert allocator.restart_env({}, None, LIB)["LD_PRELOAD"] == LIB
+    assert allocator.restart_env({}, None, lambda: LIB)["LD_PRELOAD"] == LIB
 
 
 @pytest.mark.parametrize("env, loaded, found", [
@@ -32,15 +32,20 @@ def test_auto_preloads_tcmalloc_first_and_keeps_the_callers_preload():
     ({allocator._RESTARTED: "1"}, None, LIB),  # restarted once and the library did not load: never loop
 ])
 def test_no_restart(env, loaded, found):
-    assert allocator.restart_env(env, loaded, found) is None
+    def find():
+        if env.get(allocator.ENV) == "system" or loaded or env.get(allocator._RESTARTED):
+            raise AssertionError("looked for tcmalloc where nothing would be preloaded")
+        return found
+
+    assert allocator.restart_env(env, loaded, find) is None
 
 
 def test_a_named_library_is_preloaded_and_a_missing_one_is_refused(tmp_path):
     lib = tmp_path / "libjemalloc.so.2"
     lib.write_bytes(b"")
-    assert allocator.restart_env({allocator.ENV: str(lib)}, None, None)["LD_PRELOAD"] == str(lib)
+    assert allocator.restart_env({allocator.ENV: str(lib)}, None, lambda: None)["LD_PRELOAD"] == str(lib)
     with pytest.raises(SystemExit, match=f"{allocator.ENV}=.*no such library file.*'system'"):
-        allocator.restart_env({allocator.ENV: str(tmp_path / "missing.so")}, None, LIB)
+        allocator.restart_env({allocator.ENV: str(tmp_path / "missing.so")}, None, lambda: LIB)
 
 
 def test_loaded_allocator_reads_the_maps():
