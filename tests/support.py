@@ -24,8 +24,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 # The fork server: an interpreter that imports the libraries the worker needs once, never the worker itself
 # (server_mock reads PYTRIO_WORKER_CRASH_AT and the fault switch when it is imported), then forks one child per line
-# on stdin, {"id", "argv", "env", "log"}: the child takes the whole environment and the log file as its output and
-# runs the CLI. The server answers "pid ID PID" for each child and "exit PID CODE" when one ends (it reaps them).
+# on stdin, {"id", "argv", "env", "log", "stdout"?}: the child takes the whole environment and the log file as its
+# output (its standard output in the file "stdout" where that is given) and runs the CLI. The server answers
+# "pid ID PID" for each child and "exit PID CODE" when one ends (it reaps them).
 # One thread only: nothing but this loop runs when it forks.
 _FORK_SERVER = """
 import torch, transformers, peft, uvicorn, starlette.applications, safetensors.torch, numpy, pydantic, msgpack
@@ -58,11 +59,12 @@ while True:
         if pid == 0:
             null = os.open(os.devnull, os.O_RDONLY)
             log = os.open(message["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+            out = os.open(message["stdout"], os.O_WRONLY | os.O_CREAT | os.O_APPEND) if message.get("stdout") else log
             os.dup2(null, 0)
-            os.dup2(log, 1)
+            os.dup2(out, 1)
             os.dup2(log, 2)
-            os.close(null)
-            os.close(log)
+            for fd in {null, log, out}:
+                os.close(fd)
             os.environ.clear()
             os.environ.update(message["env"])
             from server_mock.cli import main
@@ -143,14 +145,14 @@ class _WarmChildren:
         with self._lock:
             return self._ends.setdefault(pid, threading.Event())
 
-    def run(self, argv: list[str], env: dict[str, str], log: Path) -> _ForkedChild:
+    def run(self, argv: list[str], env: dict[str, str], log: Path, stdout: Path | None = None) -> _ForkedChild:
         with self._lock:
             if self._server is None or self._server.poll() is not None:
                 self._server = self._start()
             self._next_id += 1
             ask = self._next_id
-            self._server.stdin.write((json.dumps({"id": ask, "argv": argv, "env": env, "log": str(log)}) + "\n")
-                                     .encode())
+            message = {"id": ask, "argv": argv, "env": env, "log": str(log), "stdout": str(stdout) if stdout else None}
+            self._server.stdin.write((json.dumps(message) + "\n").encode())
             self._server.stdin.flush()
             while ask not in self._replies:
                 if self._server.poll() is not None:
@@ -178,6 +180,25 @@ class _WarmChildren:
 
 WARM_CHILDREN = _WarmChildren()
 atexit.register(WARM_CHILDREN.close)
+
+
+def run_cli(argv: list[str], folder: Path, timeout: float = 60) -> subprocess.CompletedProcess:
+    """``pytrio-worker`` with ``argv`` until it exits, forked warm (``_WarmChildren``: without importing torch and
+    transformers again), its output in files of ``folder``: its exit code, standard output and standard error, as
+    ``subprocess.run(..., capture_output=True, text=True)`` answers them. Killed after ``timeout`` seconds
+    (``subprocess.TimeoutExpired``)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    stamp = f"{os.getpid()}-{time.monotonic_ns()}"
+    out, err = folder / f"cli-{stamp}.out", folder / f"cli-{stamp}.err"
+    child = WARM_CHILDREN.run(argv, dict(os.environ), err, stdout=out)
+    try:
+        code = child.wait(timeout)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait(30)
+        raise
+    return subprocess.CompletedProcess(argv, code, out.read_text() if out.exists() else "",
+                                       err.read_text() if err.exists() else "")
 
 
 class WorkerProcess:

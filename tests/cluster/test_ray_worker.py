@@ -6,7 +6,6 @@ independent reference in tests/e2e/test_training_numerics.py. Killed actors: tes
 from __future__ import annotations
 
 import subprocess
-import sys
 import time
 
 import httpx
@@ -14,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
-from support import REPO, moved_state
+from support import moved_state, run_cli
 
 import pytrio_compat as trio
 
@@ -217,9 +216,9 @@ def test_a_replica_keeps_the_weights_of_at_most_keep_snapshots_beside_its_runnin
             assert np.abs(np.asarray(x.logprobs) - np.asarray(y.logprobs)).max() <= 1e-4
 
 
-def _serve(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "server_mock", "serve", "--port", "0", "--log-level", "ERROR",
-                           *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+def _serve(folder, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    """``pytrio-worker serve`` with these arguments, forked warm (``support.run_cli``), until it exits."""
+    return run_cli(["serve", "--port", "0", "--log-level", "ERROR", *args], folder / "cli", timeout=timeout)
 
 
 def test_unreachable_cluster_fails_fast_naming_the_address(tiny_model_dir, tmp_path):
@@ -229,7 +228,7 @@ def test_unreachable_cluster_fails_fast_naming_the_address(tiny_model_dir, tmp_p
         sock.bind(("127.0.0.1", 0))
         address = f"127.0.0.1:{sock.getsockname()[1]}"
     started = time.monotonic()
-    done = _serve("--model", f"tiny={tiny_model_dir}", "--storage", str(tmp_path), "--ray", address)
+    done = _serve(tmp_path, "--model", f"tiny={tiny_model_dir}", "--storage", str(tmp_path), "--ray", address)
     assert done.returncode != 0
     assert address in done.stderr and "cannot reach the Ray cluster" in done.stderr
     assert time.monotonic() - started < 30
@@ -239,13 +238,14 @@ def test_unreachable_cluster_fails_fast_naming_the_address(tiny_model_dir, tmp_p
                                             (["--gpus-per-replica", "1"], "GPU")])
 def test_asking_more_than_the_cluster_has_fails_naming_the_resource(ray_address, tiny_model_dir, tmp_path, flags,
                                                                     resource):
-    done = _serve("--model", f"tiny={tiny_model_dir}", "--storage", str(tmp_path), "--ray", ray_address, *flags)
+    done = _serve(tmp_path, "--model", f"tiny={tiny_model_dir}", "--storage", str(tmp_path), "--ray", ray_address,
+                  *flags)
     assert done.returncode != 0
     assert f"not enough {resource}s" in done.stderr and "available" in done.stderr, done.stderr[-2000:]
 
 
 def test_replica_flags_need_ray(tiny_model_dir, tmp_path):
-    done = _serve("--model", f"tiny={tiny_model_dir}", "--storage", str(tmp_path), "--sampler-replicas", "2")
+    done = _serve(tmp_path, "--model", f"tiny={tiny_model_dir}", "--storage", str(tmp_path), "--sampler-replicas", "2")
     assert done.returncode != 0 and "need --ray" in done.stderr
 
 
