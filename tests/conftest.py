@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import pytest
 from hypothesis import settings
@@ -11,6 +13,14 @@ from hypothesis import settings
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# Under pytest-xdist each test process takes its share of the cores for torch's intra-op threads (read when torch
+# is imported, which is after this file): processes that each run torch on every core oversubscribe the machine,
+# their OpenMP threads spinning while they wait for each other (tests/worker/ on two processes of a 2-core machine:
+# 182 s with torch's default threads, 42 s with one each). The workers that they start inherit it.
+_PROCESSES = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+if _PROCESSES > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // _PROCESSES)))
 
 # Property tests draw the same examples on every run so a test run is repeatable; set
 # HYPOTHESIS_PROFILE=explore to draw fresh ones (and keep any input it finds as a regression test).
@@ -21,6 +31,62 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
 # Tests that need an optional install (the Ray cluster, the official clients) skip without it. Where every extra
 # is installed (scripts/test.sh, hence CI), a missing one must fail the run instead of shrinking it silently.
 REQUIRED_WITH_EXTRAS = ("ray", "tinker", "openai", "grpc_tools", "pytrio", "trio_cookbook", "tinker_cookbook")
+
+
+# The seconds each test file took in a recorded run (``--record-durations tests/durations.json``). With
+# ``--dist loadfile`` the test processes take whole files from one queue; pytest-xdist orders it by the number of
+# tests in a file, so a long file with few tests (the Ray cluster's, the demo's) started last and ran alone at the
+# end. The queue is put in order of these seconds instead, the longest first (a file not recorded counts 0.3 s a
+# test).
+DURATIONS = Path(__file__).resolve().parent / "durations.json"
+_UNRECORDED_SECONDS_A_TEST = 0.3
+
+
+def pytest_addoption(parser):
+    parser.addoption("--record-durations", metavar="PATH", default=None,
+                     help="write the seconds each test file took (setup, call and teardown) to PATH as JSON; "
+                          "tests/durations.json orders the files for the test processes")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadFileScheduling
+
+    if config.getoption("dist") != "loadfile":
+        return None
+    recorded = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+
+    class LongestFileFirst(LoadFileScheduling):
+        """``--dist loadfile`` whose queue of files starts with the longest (by ``tests/durations.json``)."""
+
+        _ordered = False
+
+        def _assign_work_unit(self, node):
+            if not self._ordered:  # the queue is complete before the first file is handed out
+                def seconds(scope: str) -> float:
+                    return recorded.get(scope, _UNRECORDED_SECONDS_A_TEST * len(self.workqueue[scope]))
+
+                for scope in sorted(self.workqueue, key=seconds, reverse=True):
+                    self.workqueue.move_to_end(scope)
+                self._ordered = True
+            super()._assign_work_unit(node)
+
+    return LongestFileFirst(config, log)
+
+
+_FILE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    path = report.nodeid.split("::")[0]
+    _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session):
+    path = session.config.getoption("record_durations")
+    if path and not hasattr(session.config, "workerinput"):  # the controller (or the only process) writes it
+        Path(path).write_text(json.dumps({f: round(s, 2) for f, s in sorted(_FILE_SECONDS.items())}, indent=0)
+                              + "\n")
 
 
 def pytest_sessionstart(session):
