@@ -13,6 +13,7 @@ import tarfile
 
 import httpx
 import pytest
+from support import run_cli
 
 import pytrio_compat as trio
 
@@ -195,9 +196,10 @@ def test_worker_export_command_merges_a_stored_checkpoint(clients, trained, work
     from safetensors.torch import load_file
 
     _, state, _ = trained
-    command = [sys.executable, "-m", "server_mock", "export", state, "--storage", str(worker.storage),
+    # the worker's CLI in a process of its own, forked warm (support.run_cli)
+    command = ["export", state, "--storage", str(worker.storage),
                "--merged", str(tmp_path / "worker-merged"), "--gguf", str(tmp_path / "model.gguf")]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=240)
+    done = run_cli(command, tmp_path / "cli", timeout=240)
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout)["merged"]["untied_head"]
     archive = tmp_path / "ckpt.tar"
@@ -211,6 +213,6 @@ def test_worker_export_command_merges_a_stored_checkpoint(clients, trained, work
     assert (tmp_path / "model.gguf").stat().st_size > 0
 
     missing = state.rsplit("/", 1)[0] + "/not-there"
-    done = subprocess.run([*command[:4], missing, *command[5:7], "--merged", str(tmp_path / "x")],
-                          capture_output=True, text=True, timeout=120)
+    done = run_cli([command[0], missing, *command[2:4], "--merged", str(tmp_path / "x")], tmp_path / "cli",
+                   timeout=120)
     assert done.returncode == 2 and "no such checkpoint" in done.stderr and not (tmp_path / "x").exists()

@@ -143,7 +143,7 @@ def test_a_request_must_arrive_whole_within_the_deadline(tiny_model_dir, tmp_pat
         waited = time.monotonic() - started
         assert 1.0 <= waited < 10, waited
         # a request sent whole is served however long its answer takes: this long poll outlives the deadline
-        rid = _slow_op(proc.base_url, 4)
+        rid = _slow_op(proc.base_url, 2.5)
         with httpx.Client(base_url=proc.base_url, headers={"Authorization": f"Bearer {KEY_A}"}, timeout=30) as http:
             status = http.get(f"/v1/requests/{rid}", params={"wait": 20})
             assert status.status_code == 200 and status.json()["status"] == "succeeded", status.text
@@ -155,7 +155,7 @@ def test_connections_over_the_cap_make_room_from_incomplete_requests_and_long_po
     proc = _faulty_worker(tiny_model_dir, tmp_path, "--max-connections", "8", "--max-connections-per-peer", "6")
     polls: list[socket.socket] = []
     try:
-        rid = _slow_op(proc.base_url, 8)
+        rid = _slow_op(proc.base_url, 5)
         # per peer: six long polls (complete requests, busy) from one address; a seventh ends the oldest poll
         # early (it answers the request's status now: "poll again") and is served (before: 503 for everyone)
         for _ in range(6):
