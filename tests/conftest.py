@@ -17,7 +17,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Under pytest-xdist each test process takes its share of the cores for torch's intra-op threads (read when torch
 # is imported, which is after this file): processes that each run torch on every core oversubscribe the machine,
 # their OpenMP threads spinning while they wait for each other (tests/worker/ on two processes of a 2-core machine:
-# 182 s with torch's default threads, 42 s with one each). The workers that they start inherit it.
+# 151 s with torch's default threads, 42 s with one each, in one pair of runs). The workers that they start inherit it.
 _PROCESSES = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
 if _PROCESSES > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // _PROCESSES)))
