@@ -33,19 +33,20 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
 REQUIRED_WITH_EXTRAS = ("ray", "tinker", "openai", "grpc_tools", "pytrio", "trio_cookbook", "tinker_cookbook")
 
 
-# The seconds each test file took in a recorded run (``--record-durations tests/durations.json``). With
-# ``--dist loadfile`` the test processes take whole files from one queue; pytest-xdist orders it by the number of
-# tests in a file, so a long file with few tests (the Ray cluster's, the demo's) started last and ran alone at the
-# end. The queue is put in order of these seconds instead, the longest first (a file not recorded counts 0.3 s a
-# test).
+# The seconds each test file took in a recorded run (``--record-durations tests/durations.json``), one table per
+# ``-m`` expression (the default job's "not slow", the slow job's "slow": a file's slow tests are not its fast ones).
+# With ``--dist loadfile`` the test processes take whole files from one queue; pytest-xdist orders it by the number
+# of tests in a file, so a long file with few tests (the Ray cluster's, the demo's) started last and ran alone at
+# the end. The queue is put in order of these seconds instead, the longest first (a file not recorded counts 0.3 s
+# a test).
 DURATIONS = Path(__file__).resolve().parent / "durations.json"
 _UNRECORDED_SECONDS_A_TEST = 0.3
 
 
 def pytest_addoption(parser):
     parser.addoption("--record-durations", metavar="PATH", default=None,
-                     help="write the seconds each test file took (setup, call and teardown) to PATH as JSON; "
-                          "tests/durations.json orders the files for the test processes")
+                     help="write the seconds each test file took (setup, call and teardown) to PATH as JSON, under "
+                          "this run's -m expression; tests/durations.json orders the files for the test processes")
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -54,7 +55,7 @@ def pytest_xdist_make_scheduler(config, log):
 
     if config.getoption("dist") != "loadfile":
         return None
-    recorded = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+    recorded = _recorded(DURATIONS).get(config.getoption("markexpr"), {})
 
     class LongestFileFirst(LoadFileScheduling):
         """``--dist loadfile`` whose queue of files starts with the longest (by ``tests/durations.json``)."""
@@ -74,6 +75,10 @@ def pytest_xdist_make_scheduler(config, log):
     return LongestFileFirst(config, log)
 
 
+def _recorded(path: Path) -> dict[str, dict[str, float]]:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
 _FILE_SECONDS: dict[str, float] = {}
 
 
@@ -85,8 +90,9 @@ def pytest_runtest_logreport(report):
 def pytest_sessionfinish(session):
     path = session.config.getoption("record_durations")
     if path and not hasattr(session.config, "workerinput"):  # the controller (or the only process) writes it
-        Path(path).write_text(json.dumps({f: round(s, 2) for f, s in sorted(_FILE_SECONDS.items())}, indent=0)
-                              + "\n")
+        tables = _recorded(Path(path))  # the other -m expressions' tables are kept
+        tables[session.config.getoption("markexpr")] = {f: round(s, 2) for f, s in sorted(_FILE_SECONDS.items())}
+        Path(path).write_text(json.dumps(tables, indent=1, sort_keys=True) + "\n")
 
 
 def pytest_sessionstart(session):
