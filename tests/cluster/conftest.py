@@ -18,7 +18,12 @@ from .ray_helpers import NAMESPACE
 def ray_address():
     if ray is None:
         pytest.skip("the cluster extra (pip install -e .[cluster]) is not installed")
-    ray.init(num_cpus=8, include_dashboard=False, namespace=NAMESPACE, logging_level="ERROR", log_to_driver=False)
+    # Ray starts its worker processes (the worker's sampler and trainer actors) at niceness 15 unless told
+    # otherwise: beside the other test processes (niceness 0) the actors got almost no CPU, and the Ray file's first
+    # training call took 88-132 s instead of 15 s. This cluster's actors run at the test processes' priority.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RAY_worker_niceness", "0")
+        ray.init(num_cpus=8, include_dashboard=False, namespace=NAMESPACE, logging_level="ERROR", log_to_driver=False)
     try:
         yield ray.get_runtime_context().gcs_address
     finally:
