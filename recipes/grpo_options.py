@@ -61,7 +61,10 @@ class RecipeArgParser(argparse.ArgumentParser):
 
 
 def _default_help(key: str) -> str:
-    return "default " + " / ".join(f"{values[key]} ({name})" for name, values in DATASET_DEFAULTS.items())
+    def shown(value: Any) -> str:
+        return "none" if value == "" else str(value)  # an empty default (no extra worker flags) reads as a word
+
+    return "default " + " / ".join(f"{shown(values[key])} ({name})" for name, values in DATASET_DEFAULTS.items())
 
 
 def build_arg_parser(description: str) -> argparse.ArgumentParser:

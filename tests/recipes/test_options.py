@@ -19,6 +19,20 @@ def test_gsm8k_keeps_the_upstream_defaults():
         "gsm8k", "Qwen/Qwen3.5-4B", 32, 4e-5, 4, 1024, 0.95, 1e-12, True)
 
 
+def test_help_shows_each_datasets_default_and_an_empty_one_as_none():
+    parser = build_arg_parser("t")
+    helps: dict[str, str] = {}
+    for action in parser._actions:  # --train-unembed and --no-train-unembed share a dest: the first says the default
+        helps.setdefault(action.dest, action.help or "")
+    for key in DATASET_DEFAULTS["gsm8k"]:
+        text = helps[key]
+        for name, values in DATASET_DEFAULTS.items():
+            shown = "none" if values[key] == "" else str(values[key])
+            assert f"{shown} ({name})" in text, (key, name, text)
+        assert "default  (" not in text and "/  (" not in text and "default (" not in text, text
+    assert "" in {values["worker_args"] for values in DATASET_DEFAULTS.values()}  # the case above is exercised
+
+
 def test_given_options_win_over_dataset_defaults():
     args = build_arg_parser("t").parse_args(["--dataset", "arithmetic", "--lora-rank", "8", "--beta2", "0.9",
                                              "--train-unembed", "--eval-every", "0"])
